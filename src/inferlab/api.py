@@ -1,0 +1,75 @@
+"""The one-line way in: `load_engine(model=..., precision=..., **overrides)` composes conf/ and builds the engine."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from inferlab.engine.engine import EngineConfig, InferenceEngine
+from inferlab.engine.sampling import SamplingParams
+from inferlab.errors import InvalidRequestError, ModelLoadError
+from inferlab.model.loader import load_model
+
+CONF_DIR = Path(os.environ.get("INFERLAB_CONF", Path(__file__).resolve().parents[2] / "conf"))
+
+
+def compose(config_name: str = "engine", overrides: list[str] | None = None) -> DictConfig:
+    """Compose a config from conf/ the way the command line would, with Hydra's override syntax."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=overrides or [])
+    except (HydraException, OmegaConfBaseException) as e:
+        raise InvalidRequestError(_first_line(str(e))) from e
+
+
+def load_engine(model: str = "smollm2-135m", precision: str = "fp32", cache: str = "contiguous", spec: str = "off",
+                device: str = "auto", **overrides: Any) -> InferenceEngine:
+    """`overrides` take Hydra dotted keys: load_engine(cache="contiguous", **{"cache.slots": 2})."""
+    args = [f"model={model}", f"precision={precision}", f"cache={cache}", f"spec={spec}", f"device={device}"]
+    args += [f"{k}={_override_value(v)}" for k, v in overrides.items()]
+    return engine_from_config(compose("engine", args))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError("device=cuda asked for, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def engine_from_config(cfg: DictConfig) -> InferenceEngine:
+    if cfg.device.threads:
+        torch.set_num_threads(int(cfg.device.threads))
+    device = resolve_device(cfg.device.name)
+    dtype = getattr(torch, cfg.precision.dtype)
+    model_spec = OmegaConf.to_container(cfg.model, resolve=True)
+    if cfg.model.source == "path" and not cfg.model.path:
+        raise ModelLoadError("model=local needs model.path=DIR or FILE.gguf")
+    loaded = load_model(model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0)
+    defaults = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                              top_k=cfg.top_k, seed=cfg.seed, stop=list(cfg.stop))
+    config = EngineConfig(device=device, dtype=dtype, cache_mode=cfg.cache.mode,
+                          max_seq_len=loaded.config.max_seq_len, slots=cfg.cache.slots, defaults=defaults)
+    return InferenceEngine(loaded, config)
+
+
+def _override_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return value if value and all(c.isalnum() or c in "._-/" for c in value) else repr(value)
+    return str(value)
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "invalid configuration"

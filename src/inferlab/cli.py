@@ -1,0 +1,31 @@
+"""What every Hydra console script shares: the conf/ location and one-line errors instead of tracebacks."""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable
+
+import hydra
+from omegaconf import DictConfig
+
+from inferlab.api import CONF_DIR
+from inferlab.errors import InferlabError
+
+
+def hydra_app(config_name: str) -> Callable[[Callable[[DictConfig], None]], Callable[[], None]]:
+    """Wrap `run(cfg)` as a console-script entry point over conf/<config_name>.yaml."""
+
+    def wrap(run: Callable[[DictConfig], None]) -> Callable[[], None]:
+        @functools.wraps(run)
+        def guarded(cfg: DictConfig) -> None:
+            try:
+                run(cfg)
+            except InferlabError as e:
+                print(f"error: {e}", file=sys.stderr)
+                sys.exit(2)
+            except KeyboardInterrupt:
+                sys.exit(130)
+
+        return hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base=None)(guarded)
+
+    return wrap

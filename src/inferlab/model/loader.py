@@ -1,0 +1,192 @@
+"""Weights into a Transformer, with no network: an HF checkpoint directory, a GGUF file, or random init.
+
+Every path builds the model on the meta device and fills it with `load_state_dict(assign=True)`, so
+the weights exist once in memory. Checkpoint q/k/v and gate/up rows are concatenated into the fused
+`wqkv` and `w13` projections.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from inferlab.errors import ModelLoadError
+from inferlab.model.config import ModelConfig
+from inferlab.model.tokenizer import Tokenizer
+from inferlab.model.transformer import Transformer
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    config: ModelConfig
+    source: str  # where the weights came from, for logs and reports
+    gguf_path: Path | None = None  # the GGUF file, when the weights came from one (int4 imports its blocks)
+
+
+def load_model(spec: dict[str, Any], dtype: torch.dtype, device: torch.device, max_seq_len: int,
+               seed: int = 0) -> LoadedModel:
+    """`spec` is the resolved `model` config group (conf/model/*.yaml)."""
+    path = spec.get("path")
+    if path:
+        path = Path(path).expanduser()
+        if path.is_dir():
+            return _finish(*load_hf_dir(path), f"hf:{path}", None, dtype, device, max_seq_len)
+        return _finish(*load_gguf(path), f"gguf:{path}", path, dtype, device, max_seq_len)
+    source = spec["source"]
+    if source == "gguf_package":
+        gguf_path = locate_package_file(spec["package"], spec["file"], spec.get("install", ""))
+        return _finish(*load_gguf(gguf_path), f"gguf:{gguf_path.name}", gguf_path, dtype, device, max_seq_len)
+    if source == "random":
+        config = ModelConfig.from_dict(dict(spec["architecture"]))
+        tokenizer_spec = spec["tokenizer"]
+        tok_path = locate_package_file(tokenizer_spec["package"], tokenizer_spec["file"], tokenizer_spec.get("install", ""))
+        tokenizer = Tokenizer.from_gguf_fields(read_gguf_fields(tok_path))
+        return _finish(config, _random_init(config, seed), tokenizer, f"random-init {spec['name']}", None,
+                       dtype, device, max_seq_len)
+    raise ModelLoadError(f"model {spec.get('name')!r} has no weights: set model.path=DIR (HF checkpoint) or FILE.gguf")
+
+
+def locate_package_file(package: str, file: str, install_hint: str) -> Path:
+    """Find a data file shipped in a pip package without importing the package."""
+    found = importlib.util.find_spec(package)
+    for location in (found.submodule_search_locations or []) if found else []:
+        candidate = Path(location) / file
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(f"{file} not found: package {package!r} is not installed; run `{install_hint}`")
+
+
+def _finish(config: ModelConfig, state: dict[str, Tensor], tokenizer: Tokenizer, source: str,
+            gguf_path: Path | None, dtype: torch.dtype, device: torch.device, max_seq_len: int) -> LoadedModel:
+    config.max_seq_len = min(config.max_seq_len, max_seq_len)
+    with torch.device("meta"):
+        model = Transformer(config)
+    if config.tie_embeddings:
+        state.pop("output.weight", None)
+    state = {k: v.to(dtype=dtype, device=device) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (config.tie_embeddings and k == "output.weight")]
+    if missing or unexpected:
+        raise ModelLoadError(f"{source}: weights do not match the architecture (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if config.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.reset_rope()
+    return LoadedModel(model.eval(), tokenizer, config, source, gguf_path)
+
+
+def _random_init(config: ModelConfig, seed: int) -> dict[str, Tensor]:
+    """Weights for shape presets: N(0, 0.02) matrices and unit norms, reproducible from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(config).state_dict().items()}
+    state = {k: torch.ones(s) if k.endswith("norm.weight") else torch.randn(s, generator=generator) * 0.02
+             for k, s in shapes.items()}
+    return state
+
+
+# ---- HF checkpoint directory ---------------------------------------------------------------------
+
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+
+
+def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
+    from safetensors.torch import load_file
+
+    config_file = path / "config.json"
+    files = sorted(path.glob("*.safetensors"))
+    if not config_file.is_file() or not files:
+        raise ModelLoadError(f"{path} is not an HF checkpoint directory (needs config.json and *.safetensors)")
+    if not (path / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{path} has no tokenizer.json")
+    config = ModelConfig.from_hf(json.loads(config_file.read_text()))
+    raw: dict[str, Tensor] = {}
+    for f in files:
+        raw.update(load_file(str(f)))
+
+    def get(name: str) -> Tensor:
+        return raw[name].float()
+
+    state = {"tok_embeddings.weight": get("model.embed_tokens.weight"), "norm.weight": get("model.norm.weight")}
+    if "lm_head.weight" in raw and not config.tie_embeddings:
+        state["output.weight"] = get("lm_head.weight")
+    for i in range(config.n_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        for src, dst in _HF_LAYER_NAMES.items():
+            state[ours + dst] = get(hf + src)
+        qkv = [f"{hf}self_attn.{p}_proj" for p in "qkv"]
+        state[ours + "attention.wqkv.weight"] = torch.cat([get(n + ".weight") for n in qkv])
+        if config.qkv_bias:
+            state[ours + "attention.wqkv.bias"] = torch.cat([get(n + ".bias") for n in qkv])
+        state[ours + "feed_forward.w13.weight"] = torch.cat([get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")])
+    return config, state, Tokenizer.from_hf_dir(path)
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------
+
+def read_gguf_fields(path: Path) -> dict[str, Any]:
+    return {name: field.contents() for name, field in _open_gguf(path).fields.items()}
+
+
+def _open_gguf(path: Path):
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file (bad magic)")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises bare ValueErrors/IndexErrors on damaged files
+        raise ModelLoadError(f"{path}: unreadable GGUF ({e})") from e
+
+
+def unpermute_qk(w: Tensor, n_heads: int) -> Tensor:
+    """Undo llama.cpp's converter, which interleaves each head's two RoPE halves for its rotary kernel."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
+    from gguf import quants
+
+    reader = _open_gguf(path)
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    tensors = {t.name: t for t in reader.tensors}
+    config = ModelConfig.from_gguf_fields(meta, has_output_weight="output.weight" in tensors)
+
+    def get(name: str, fix: Callable[[Tensor], Tensor] = lambda w: w) -> Tensor:
+        t = tensors[name]
+        return fix(torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)))
+
+    permute = meta["general.architecture"] == "llama"  # qwen2 GGUFs keep the HF row order
+    fix_q = (lambda w: unpermute_qk(w, config.n_heads)) if permute else (lambda w: w)
+    fix_k = (lambda w: unpermute_qk(w, config.n_kv_heads)) if permute else (lambda w: w)
+    state = {"tok_embeddings.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
+    if "output.weight" in tensors:
+        state["output.weight"] = get("output.weight")
+    for i in range(config.n_layers):
+        g, ours = f"blk.{i}.", f"layers.{i}."
+        state[ours + "attention_norm.weight"] = get(g + "attn_norm.weight")
+        state[ours + "ffn_norm.weight"] = get(g + "ffn_norm.weight")
+        state[ours + "attention.wqkv.weight"] = torch.cat(
+            [get(g + "attn_q.weight", fix_q), get(g + "attn_k.weight", fix_k), get(g + "attn_v.weight")])
+        if config.qkv_bias:
+            state[ours + "attention.wqkv.bias"] = torch.cat([get(g + f"attn_{p}.bias") for p in "qkv"])
+        state[ours + "attention.wo.weight"] = get(g + "attn_output.weight")
+        state[ours + "feed_forward.w13.weight"] = torch.cat([get(g + "ffn_gate.weight"), get(g + "ffn_up.weight")])
+        state[ours + "feed_forward.w2.weight"] = get(g + "ffn_down.weight")
+    return config, state, Tokenizer.from_gguf_fields(meta)

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random-init models and a byte-level tokenizer built in milliseconds."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+from inferlab.engine.engine import EngineConfig, InferenceEngine
+from inferlab.engine.sampling import SamplingParams
+from inferlab.model.config import ModelConfig
+from inferlab.model.loader import LoadedModel
+from inferlab.model.tokenizer import Tokenizer
+from inferlab.model.transformer import Transformer
+
+EOS = "<|eos|>"
+
+
+def byte_level_backend() -> HFTokenizer:
+    """256 byte tokens, no merges, one special end-of-sequence token (id 256)."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    backend = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(EOS, special=True)])
+    return backend
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> Tokenizer:
+    backend = byte_level_backend()
+    eos = backend.token_to_id(EOS)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    return Tokenizer(backend=backend, bos_id=None, eos_ids={eos}, chat_template=template, special_ids={eos})
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    values = dict(vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=256,
+                  rope_theta=10000.0, norm_eps=1e-5)
+    values.update(overrides)
+    return ModelConfig(**values)
+
+
+def tiny_model(seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(tiny_config(**overrides))
+    with torch.no_grad():  # larger-than-default weights so logits are far from uniform
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+def tiny_engine(tokenizer: Tokenizer, cache_mode: str = "contiguous", slots: int = 2, seed: int = 0,
+                max_new_tokens: int = 16, **overrides) -> InferenceEngine:
+    model = tiny_model(seed, **overrides)
+    loaded = LoadedModel(model, tokenizer, model.config, "tiny random-init")
+    config = EngineConfig(device=torch.device("cpu"), dtype=torch.float32, cache_mode=cache_mode,
+                          max_seq_len=model.config.max_seq_len, slots=slots,
+                          defaults=SamplingParams(max_new_tokens=max_new_tokens))
+    return InferenceEngine(loaded, config)
