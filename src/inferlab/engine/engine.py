@@ -251,6 +251,17 @@ class InferenceEngine:
                 return Completion("".join(parts), token_ids, event.finish_reason, event.timings)
         raise RuntimeError("generation ended without a closing event")
 
+    def stats(self) -> dict[str, int]:
+        """Counters the server exports on /v1/metrics; a contiguous slot counts as one KV block."""
+        used = self.pool.used if self.pool else 0
+        return {"requests_running": used, "requests_waiting": 0, "kv_blocks_used": used,
+                "kv_blocks_total": self.config.slots if self.pool else 0,
+                "prefix_cache_hits": 0, "prefix_cache_misses": 0}
+
+    def submit(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        """The server's way in: an async iterator of events; closing it early cancels the request."""
+        return self.stream_generate(request)
+
     async def stream_generate(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         """Async view of `iter_events`: the tensor work runs in a worker thread, never on the event loop."""
         prompt_ids = self.encode_prompt(request.prompt, request.chat, request.messages)
