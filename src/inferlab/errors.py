@@ -17,3 +17,9 @@ class CapacityError(InferlabError):
     """The KV memory cannot hold the request, now or ever."""
 
     code = "capacity_exceeded"
+
+
+class OverloadedError(InferlabError):
+    """The KV pool and the wait queue are both full: try again later (HTTP 503). Nothing running is lost."""
+
+    code = "overloaded"
