@@ -23,3 +23,29 @@ class OverloadedError(InferlabError):
     """The KV pool and the wait queue are both full: try again later (HTTP 503). Nothing running is lost."""
 
     code = "overloaded"
+
+
+# ---- raised at the HTTP edge (server/guards.py maps each code to its status) ----------------------
+
+class UnauthorizedError(InferlabError):
+    code = "unauthorized"
+
+
+class RateLimitedError(InferlabError):
+    code = "rate_limited"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeoutError(InferlabError):
+    code = "timeout"
+
+
+class PayloadTooLargeError(InferlabError):
+    code = "payload_too_large"
+
+
+class ShuttingDownError(InferlabError):
+    code = "shutting_down"
