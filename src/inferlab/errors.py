@@ -19,6 +19,12 @@ class CapacityError(InferlabError):
     code = "capacity_exceeded"
 
 
+class QuantizationError(InferlabError):
+    """A model or layer that cannot be quantized as asked (group size, shape, already quantized)."""
+
+    code = "quantization_error"
+
+
 class OverloadedError(InferlabError):
     """The KV pool and the wait queue are both full: try again later (HTTP 503). Nothing running is lost."""
 
