@@ -7,6 +7,7 @@ from typing import Callable
 
 import hydra
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from inferlab.api import CONF_DIR
 from inferlab.errors import InferlabError
@@ -20,8 +21,8 @@ def hydra_app(config_name: str) -> Callable[[Callable[[DictConfig], None]], Call
         def guarded(cfg: DictConfig) -> None:
             try:
                 run(cfg)
-            except InferlabError as e:
-                print(f"error: {e}", file=sys.stderr)
+            except (InferlabError, OmegaConfBaseException) as e:
+                print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
                 sys.exit(2)
             except KeyboardInterrupt:
                 sys.exit(130)

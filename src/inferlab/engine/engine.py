@@ -1,25 +1,36 @@
 """InferenceEngine: prompt -> prefill -> decode steps -> sampling -> text, with timings.
 
-A request's KV lives in a `Sequence`: a slot of the contiguous cache, or (cache=none) just its
-token ids, recomputed in full at every step as the baseline the KV-cache study measures against.
+A single request's KV lives in a `Sequence`: a slot of the contiguous cache, blocks of the paged
+pool, or (cache=none) just its token ids, recomputed in full at every step as the baseline the
+KV-cache study measures against. Concurrent requests (`submit`, `generate_batch`) go through one
+engine loop: a thread that owns the model and the KV memory and runs `step()` = schedule -> run ->
+sample -> stream, batching every running request's decode into one forward.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
+import queue
 from abc import ABC, abstractmethod
 from contextlib import closing
 import threading
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Iterator
 
 import torch
 from torch import Tensor
 
-from inferlab.engine.kv_cache import CachedAttend, KVCache, SlotPool
+from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
+from inferlab.engine.block_manager import BlockManager, BlockTable
+from inferlab.engine.kv_cache import CachedAttend, KVCache, SlotPool, compute_kv_cache_bytes
+from inferlab.engine.paged import PagedKVCache, forward_paged
+from inferlab.engine.prefix_cache import PrefixCache
 from inferlab.engine.sampling import SamplingParams, sample
+from inferlab.engine.scheduler import Scheduler, SchedulerConfig
+from inferlab.engine.sequence import Request, StreamEvent, Timings
 from inferlab.engine.stop import TextStream
-from inferlab.errors import InvalidRequestError
+from inferlab.errors import CapacityError, InvalidRequestError
 from inferlab.model.loader import LoadedModel
 from inferlab.model.transformer import Transformer, causal_attend
 
@@ -30,26 +41,16 @@ CONTEXT_MARGIN = 16  # a prompt must leave at least this many positions for gene
 class EngineConfig:
     device: torch.device
     dtype: torch.dtype
-    cache_mode: str  # "none" | "contiguous"
+    cache_mode: str  # "none" | "contiguous" | "paged"
     max_seq_len: int  # tokens one sequence may hold (prompt + generated)
-    slots: int  # sequences whose KV fits at once
+    slots: int  # contiguous: sequences whose KV fits at once
     defaults: SamplingParams  # generation parameters a call does not set
-
-
-@dataclass
-class Timings:
-    prompt_tokens: int
-    completion_tokens: int
-    ttft_ms: float  # start of the request -> first token sampled
-    total_ms: float
-    tpot_ms: float  # (total - ttft) / (completion_tokens - 1)
-    tokens_per_sec: float  # decode rate: 1000 / tpot_ms
-
-    @classmethod
-    def measure(cls, start: float, first: float, end: float, prompt_tokens: int, completion_tokens: int) -> "Timings":
-        ttft, total = (first - start) * 1e3, (end - start) * 1e3
-        tpot = (total - ttft) / (completion_tokens - 1) if completion_tokens > 1 else 0.0
-        return cls(prompt_tokens, completion_tokens, ttft, total, tpot, 1e3 / tpot if tpot > 0 else 0.0)
+    # The values below come from conf/ (cache/*.yaml, scheduler:); these defaults only serve tests
+    # that build an engine by hand.
+    block_size: int = 16  # paged: tokens per KV block
+    kv_blocks: int = 0  # paged: blocks in the pool; 0 = the memory `slots` contiguous slots would take
+    prefix_cache: bool = False  # paged: reuse the KV of full blocks of earlier prompts
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(16, 64, 256))
 
 
 @dataclass
@@ -78,6 +79,7 @@ class GenerationRequest:
     params: SamplingParams
     chat: bool = False  # render `prompt` (a user message) with the model's chat template
     messages: list[dict[str, str]] | None = None
+    priority: int = 0  # lower is admitted sooner; equal priorities go first-come first-served
 
 
 class Sequence(ABC):
@@ -126,6 +128,31 @@ class RecomputeSequence(Sequence):
         return self.model(tokens, positions, causal_attend, last_only=True)[0, -1]
 
 
+class PagedSequence(Sequence):
+    """A single request's KV in blocks of the paged pool, its prompt's cached prefix blocks reused."""
+
+    def __init__(self, model: Transformer, device: torch.device, cache: PagedKVCache, blocks: BlockManager,
+                 prompt_ids: list[int]) -> None:
+        super().__init__(model, device)
+        self.cache, self.blocks, self.kv, self.token_ids = cache, blocks, BlockTable(), []
+        if not blocks.allocate(self.kv, prompt_ids, len(prompt_ids)):
+            raise CapacityError(f"the KV pool has no room for {len(prompt_ids)} prompt tokens now; retry later")
+        self.length = self.kv.num_computed
+
+    def forward(self, token_ids: list[int]) -> Tensor:
+        self.token_ids += token_ids
+        if not self.blocks.ensure_room(self.kv, len(self.token_ids)):
+            raise CapacityError("the KV pool ran out of blocks; retry later or raise cache.kv_budget_mb")
+        start = self.kv.num_computed
+        logits = forward_paged(self.model, self.cache, [self.token_ids[start:]], [start], [self.kv.blocks])
+        self.blocks.advance(self.kv, self.token_ids, len(self.token_ids) - start)
+        self.length = self.kv.num_computed
+        return logits[0]
+
+    def release(self) -> None:
+        self.blocks.free(self.kv)
+
+
 class InferenceEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.loaded, self.config = loaded, config
@@ -133,10 +160,29 @@ class InferenceEngine:
         self.tokenizer = loaded.tokenizer
         self.kv_cache: KVCache | None = None
         self.pool: SlotPool | None = None
+        self.paged: PagedKVCache | None = None  # the KV memory the engine loop reads through block tables
+        self.blocks: BlockManager | None = None
+        self.scheduler: Scheduler | None = None
         if config.cache_mode == "contiguous":
             self.kv_cache = KVCache(loaded.config, config.slots, config.max_seq_len, config.dtype, config.device)
             self.pool = SlotPool(self.kv_cache, loaded.config)
+            self.paged = PagedKVCache.over_slots(self.kv_cache)
+            slot_bytes = compute_kv_cache_bytes(loaded.config, 1, config.max_seq_len, config.dtype)
+            self.blocks = BlockManager(config.slots, config.max_seq_len, slot_bytes, free_ids=self.pool.free)
+        elif config.cache_mode == "paged":
+            tokens = config.kv_blocks * config.block_size or config.slots * config.max_seq_len
+            num_blocks = -(-tokens // config.block_size)
+            self.paged = PagedKVCache.allocate(loaded.config, num_blocks, config.block_size, config.dtype, config.device)
+            block_bytes = compute_kv_cache_bytes(loaded.config, 1, config.block_size, config.dtype)
+            prefix = PrefixCache() if config.prefix_cache else None
+            self.blocks = BlockManager(num_blocks, config.block_size, block_bytes, prefix)
+        if self.blocks is not None:
+            self.scheduler = Scheduler(self.blocks, config.scheduler)
         self._lock = threading.Lock()  # one forward at a time: the model and the KV memory have one owner
+        self._wake = threading.Condition()  # the engine loop sleeps on it while there is nothing to do
+        self._loop_thread: threading.Thread | None = None
+        self._request_ids = itertools.count()
+        self._single_running = 0  # requests on the one-at-a-time path (generate, stream_generate)
 
     # ---- the steps -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -146,8 +192,11 @@ class InferenceEngine:
         `reserve_tokens` is how many generated tokens the KV slot must also hold.
         """
         self.check_prompt(prompt_ids)
-        if self.pool is None:
-            seq: Sequence = RecomputeSequence(self.model, self.config.device)
+        if self.config.cache_mode == "paged":
+            self.blocks.check_fits(len(prompt_ids) + reserve_tokens)
+            seq: Sequence = PagedSequence(self.model, self.config.device, self.paged, self.blocks, prompt_ids)
+        elif self.pool is None:
+            seq = RecomputeSequence(self.model, self.config.device)
         else:
             seq = CachedSequence(self.model, self.config.device, self.pool, len(prompt_ids) + reserve_tokens)
         try:
@@ -171,9 +220,12 @@ class InferenceEngine:
 
     def encode_prompt(self, prompt: str | list[int], chat: bool = False,
                       messages: list[dict[str, str]] | None = None) -> list[int]:
-        if messages is not None or chat:
-            messages = messages if messages is not None else [{"role": "user", "content": str(prompt)}]
-            if not messages or not any(m.get("content") for m in messages):
+        if messages is None and chat:
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty")
+            messages = [{"role": "user", "content": str(prompt)}]
+        if messages is not None:
+            if not any(m.get("content") for m in messages):
                 raise InvalidRequestError("messages must not be empty")
             return self.tokenizer.encode(self.tokenizer.render_chat(messages))
         if isinstance(prompt, str):
