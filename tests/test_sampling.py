@@ -1,0 +1,104 @@
+"""Sampling against exact distributions, stop strings, and streaming detokenization."""
+import pytest
+import torch
+
+from inferlab.engine.sampling import SamplingParams, probabilities, sample
+from inferlab.engine.stop import TextStream
+from inferlab.errors import InvalidRequestError
+from inferlab.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+from conftest import tiny_engine
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=1, **kw)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    assert sample(logits, params(), None) == int(torch.argmax(logits))
+
+
+def test_top_k_and_top_p_keep_exactly_the_expected_tokens():
+    logits = torch.log(torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15]))
+    p = probabilities(logits, params(temperature=1.0, top_k=2))
+    assert torch.allclose(p, torch.tensor([0, 0.4, 0, 0.3, 0]) / 0.7)
+    # sorted: 0.4, 0.3, 0.15, 0.1, 0.05 -> cumulative 0.4, 0.7, 0.85: top_p=0.8 keeps the first three
+    p = probabilities(logits, params(temperature=1.0, top_p=0.8))
+    assert torch.allclose(p, torch.tensor([0, 0.4, 0, 0.3, 0.15]) / 0.85)
+    p = probabilities(logits, params(temperature=1.0, top_p=0.01))  # the top token always survives
+    assert torch.equal(p, torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0]))
+
+
+def test_temperature_scales_the_distribution():
+    logits = torch.tensor([1.0, 2.0, 3.0])
+    assert torch.allclose(probabilities(logits, params(temperature=0.5)), torch.softmax(logits / 0.5, -1))
+
+
+def test_sampled_frequencies_match_the_distribution():
+    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    p = params(temperature=1.0, seed=0)
+    generator = p.make_generator(torch.device("cpu"))
+    counts = torch.bincount(torch.tensor([sample(logits, p, generator) for _ in range(4000)]), minlength=4)
+    expected = torch.tensor([0.1, 0.2, 0.3, 0.4]) * 4000
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27  # p = 0.001 for 3 degrees of freedom
+
+
+def test_extreme_logits_stay_finite():
+    logits = torch.tensor([1e4, -1e4, float("-inf"), 3e4, 3e4 - 1])
+    p = probabilities(logits, params(temperature=0.1, top_p=0.9, top_k=3))
+    assert torch.isfinite(p).all() and p.sum().item() == pytest.approx(1.0)
+    assert p[3] == 1.0
+
+
+def test_seed_reproduces_and_differs(tiny_tokenizer):
+    engine = tiny_engine(tiny_tokenizer)
+    run = lambda seed: engine.generate([1, 2, 3], max_new_tokens=12, temperature=1.0, seed=seed).token_ids
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0.0), dict(top_p=1.5),
+                                 dict(top_k=-1)])
+def test_invalid_parameters_are_refused(bad):
+    with pytest.raises(InvalidRequestError):
+        params(**bad)
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(max_new_tokens=0)
+
+
+def test_detokenizer_streams_multibyte_text_exactly(tiny_tokenizer):
+    text = "naïve café — 日本語 🤖 done"
+    detok = IncrementalDetokenizer(tiny_tokenizer)
+    deltas = [detok.push(t) for t in tiny_tokenizer.encode(text)]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_text_stream_holds_back_a_partial_stop_and_cuts_at_it(tiny_tokenizer):
+    stream = TextStream(tiny_tokenizer, stop=["END"])
+    shown = [stream.push(t) for t in tiny_tokenizer.encode("abc EN")]
+    assert "".join(d for d, _ in shown) == "abc "  # "EN" may start "END": held back
+    assert stream.push(tiny_tokenizer.encode("D")[0]) == ("", True)
+    assert stream.text == "abc " and stream.flush() == ""
+
+
+def test_text_stream_releases_a_stop_prefix_that_did_not_complete(tiny_tokenizer):
+    stream = TextStream(tiny_tokenizer, stop=["END"])
+    out = "".join(stream.push(t)[0] for t in tiny_tokenizer.encode("x EN"))
+    assert out + stream.flush() == "x EN"
+
+
+def test_generate_stops_at_stop_string():
+    # a word-level vocabulary, so whatever a random model emits decodes to visible text ("w12 w7 ...")
+    backend = HFTokenizer(models.WordLevel({f"w{i}": i for i in range(257)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    engine = tiny_engine(Tokenizer(backend=backend, bos_id=None, eos_ids={256}))
+    full = engine.generate([5, 6, 7], max_new_tokens=16, temperature=0)
+    stop = full.text[6:10]
+    assert stop and full.finish_reason == "length"
+    cut = engine.generate([5, 6, 7], max_new_tokens=16, temperature=0, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.find(stop)]
