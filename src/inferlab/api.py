@@ -9,7 +9,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
+from inferlab.engine.paged import blocks_for_budget
 from inferlab.engine.sampling import SamplingParams
+from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.errors import InvalidRequestError, ModelLoadError
 from inferlab.model.loader import load_model
 
@@ -53,11 +55,17 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
     model_spec = OmegaConf.to_container(cfg.model, resolve=True)
     if cfg.model.source == "path" and not cfg.model.path:
         raise ModelLoadError("model=local needs model.path=DIR or FILE.gguf")
+    if cfg.cache.prefix and cfg.cache.mode != "paged":
+        raise InvalidRequestError(f"cache.prefix=true needs cache=paged (got cache={cfg.cache.mode})")
     loaded = load_model(model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0)
     defaults = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                               top_k=cfg.top_k, seed=cfg.seed, stop=list(cfg.stop))
+    kv_blocks = blocks_for_budget(loaded.config, cfg.cache.kv_budget_mb, cfg.cache.block_size, dtype) \
+        if cfg.cache.kv_budget_mb else 0
     config = EngineConfig(device=device, dtype=dtype, cache_mode=cfg.cache.mode,
-                          max_seq_len=loaded.config.max_seq_len, slots=cfg.cache.slots, defaults=defaults)
+                          max_seq_len=loaded.config.max_seq_len, slots=cfg.cache.slots, defaults=defaults,
+                          block_size=cfg.cache.block_size, kv_blocks=kv_blocks, prefix_cache=cfg.cache.prefix,
+                          scheduler=SchedulerConfig(**cfg.scheduler))
     return InferenceEngine(loaded, config)
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import queue
 from abc import ABC, abstractmethod
 from contextlib import closing
 import threading
 import time
 from dataclasses import dataclass, field
+from queue import SimpleQueue
 from typing import AsyncIterator, Callable, Iterator
 
 import torch
@@ -251,6 +251,7 @@ class InferenceEngine:
         max_new = min(params.max_new_tokens, self.config.max_seq_len - len(prompt_ids))
         with self._lock:
             logits, seq = self.prefill(prompt_ids, reserve_tokens=max_new)
+            self._single_running += 1
         generator = params.make_generator(self.config.device)
         text = TextStream(self.tokenizer, params.stop)
         token_ids: list[int] = []
@@ -275,7 +276,9 @@ class InferenceEngine:
                 with self._lock:
                     logits = self.decode_step(token, seq)
         finally:
-            seq.release()
+            with self._lock:
+                seq.release()
+                self._single_running -= 1
         timings = Timings.measure(start, first, time.perf_counter(), len(prompt_ids), len(token_ids))
         yield StreamEvent(len(token_ids), text.flush(), finish_reason=finish, timings=timings)
 
@@ -303,16 +306,190 @@ class InferenceEngine:
                 return Completion("".join(parts), token_ids, event.finish_reason, event.timings)
         raise RuntimeError("generation ended without a closing event")
 
+    def generate_batch(self, prompts: list[str | list[int]], max_new_tokens: int | None = None,
+                       **sampling) -> list[Completion]:
+        """Complete several raw prompts together; the completions come back in prompt order.
+
+        contiguous: left-padded static batches of at most `slots` prompts; paged: the continuous-batching
+        loop; none: one after another (the recompute baseline batches nothing).
+        """
+        params = self.sampling_params(max_new_tokens=max_new_tokens, **sampling)
+        prompt_ids = [self.encode_prompt(p) for p in prompts]
+        for ids in prompt_ids:
+            self.check_prompt(ids)
+        if self.config.cache_mode == "contiguous":
+            waves = [prompt_ids[i:i + self.config.slots] for i in range(0, len(prompt_ids), self.config.slots)]
+            return [c for wave in waves for c in self._generate_left_padded(wave, params)]
+        if self.scheduler is not None:
+            return self._generate_scheduled(prompt_ids, params)
+        return [self._collect(self.iter_events(ids, params)) for ids in prompt_ids]
+
+    def _generate_left_padded(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        width = max(len(ids) for ids in prompt_ids)
+        max_new = min(params.max_new_tokens, self.config.max_seq_len - width)
+        events: list[list[StreamEvent]] = [[] for _ in prompt_ids]
+        requests = [self._new_request(ids, params, out.append, max_new) for ids, out in zip(prompt_ids, events)]
+        with self._lock:
+            slots = []
+            try:
+                for _ in prompt_ids:
+                    slots.append(self.pool.allocate(width + max_new))
+            except CapacityError:
+                for slot in slots:
+                    self.pool.release(slot)
+                raise
+            self._single_running += len(slots)
+        try:
+            run_static_batch(LeftPaddedBatch(self.model, self.kv_cache, slots, prompt_ids), requests, self._lock)
+        finally:
+            with self._lock:
+                for slot in slots:
+                    self.pool.release(slot)
+                self._single_running -= len(slots)
+        return [self._collect(iter(e)) for e in events]
+
+    def _generate_scheduled(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """All prompts through the engine loop at once (not bounded by the wait queue: the caller waits)."""
+        inbox: SimpleQueue = SimpleQueue()
+        requests = [self._new_request(ids, params, lambda item, i=i: inbox.put((i, item)))
+                    for i, ids in enumerate(prompt_ids)]
+        events: list[list[StreamEvent]] = [[] for _ in prompt_ids]
+        try:
+            for request in requests:
+                self._enqueue(request, bounded=False)
+            open_requests = len(requests)
+            while open_requests:
+                i, item = inbox.get()
+                if isinstance(item, BaseException):
+                    raise item
+                events[i].append(item)
+                open_requests -= item.finish_reason is not None
+        finally:
+            for request in requests:
+                self._cancel(request)
+        return [self._collect(iter(e)) for e in events]
+
     def stats(self) -> dict[str, int]:
-        """Counters the server exports on /v1/metrics; a contiguous slot counts as one KV block."""
-        used = self.pool.used if self.pool else 0
-        return {"requests_running": used, "requests_waiting": 0, "kv_blocks_used": used,
-                "kv_blocks_total": self.config.slots if self.pool else 0,
-                "prefix_cache_hits": 0, "prefix_cache_misses": 0}
+        """Counters the server exports on /v1/metrics; a contiguous slot counts as one KV block of max_seq_len."""
+        blocks, prefix, scheduler = self.blocks, self.blocks and self.blocks.prefix, self.scheduler
+        return {
+            "requests_running": (len(scheduler.running) if scheduler else 0) + self._single_running,
+            "requests_waiting": len(scheduler.waiting) if scheduler else 0,
+            "kv_blocks_used": blocks.num_used if blocks else 0,
+            "kv_blocks_total": blocks.num_blocks if blocks else 0,
+            "kv_block_size": blocks.block_size if blocks else 0,  # tokens per block
+            "kv_bytes_per_block": self.paged.nbytes // self.paged.num_blocks if self.paged else 0,  # measured
+            "kv_tokens_computed": blocks.tokens_computed if blocks else 0,  # KV written: what prefix hits save
+            "prefix_cache_hits": prefix.hits if prefix else 0,  # full prompt blocks found cached
+            "prefix_cache_misses": prefix.misses if prefix else 0,
+            "prefix_cache_evictions": prefix.evictions if prefix else 0,
+            "prefix_cache_blocks": prefix.num_cached if prefix else 0,
+            "preemptions": scheduler.preemptions if scheduler else 0,
+        }
 
     def submit(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
-        """The server's way in: an async iterator of events; closing it early cancels the request."""
-        return self.stream_generate(request)
+        """The server's way in: an async iterator of events; closing it early cancels the request.
+
+        Bad input (InvalidRequestError), a request the whole KV pool could never hold (CapacityError)
+        and a full wait queue (OverloadedError) raise here, before any tensor work. Call it from the
+        event loop. With cache=none requests run one at a time, recomputed (the baseline).
+        """
+        if self.scheduler is None:
+            return self.stream_generate(request)
+        prompt_ids = self.encode_prompt(request.prompt, request.chat, request.messages)
+        self.check_prompt(prompt_ids)
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+        scheduled = self._new_request(prompt_ids, request.params,
+                                      lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
+                                      priority=request.priority)
+        self._enqueue(scheduled)
+        return self._events(scheduled, inbox)
+
+    async def _events(self, request: Request, inbox: asyncio.Queue) -> AsyncIterator[StreamEvent]:
+        try:
+            while True:
+                item = await inbox.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self._cancel(request)
+
+    # ---- the engine loop -------------------------------------------------------------------------
+    def _new_request(self, prompt_ids: list[int], params: SamplingParams,
+                     emit: Callable[[StreamEvent | BaseException], None], max_new: int | None = None,
+                     priority: int = 0) -> Request:
+        max_new = max_new or min(params.max_new_tokens, self.config.max_seq_len - len(prompt_ids))
+        return Request(next(self._request_ids), list(prompt_ids), params, max_new, TextStream(self.tokenizer, params.stop),
+                       self.tokenizer.eos_ids, emit, params.make_generator(self.config.device), priority)
+
+    def _enqueue(self, request: Request, bounded: bool = True) -> None:
+        self.scheduler.add(request, bounded)
+        with self._wake:
+            if self._loop_thread is None:
+                self._loop_thread = threading.Thread(target=self._run_loop, name="inferlab-engine", daemon=True)
+                self._loop_thread.start()
+            self._wake.notify()
+
+    def _cancel(self, request: Request) -> None:
+        """Cancel (a no-op once it ended); the loop frees its blocks before its next forward."""
+        if not request.finished:
+            self.scheduler.cancel(request)
+            with self._wake:
+                self._wake.notify()
+
+    def _run_loop(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(self.scheduler.has_work)
+            with self._lock:
+                try:
+                    progressed = self.step()
+                except Exception as error:  # a failed step fails the requests it held, never the loop
+                    progressed = True
+                    for request in self.scheduler.drain():
+                        self._deliver(request, error)
+            if not progressed:  # waiting for memory another path holds: do not spin
+                with self._wake:
+                    self._wake.wait(0.005)
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One turn of the loop: schedule -> run (prompt chunks, one batched decode) -> sample -> stream.
+
+        Call it with the engine lock held (the loop does). Returns whether any token was computed.
+        """
+        batch = self.scheduler.schedule()
+        for request, n in batch.prefills:
+            self._run([request], n)
+        if batch.decodes:
+            self._run(batch.decodes, 1)
+        return bool(batch.prefills or batch.decodes)
+
+    def _run(self, requests: list[Request], n: int) -> None:
+        """Feed each request its next `n` uncomputed tokens in one forward; sample those whose tokens are all in."""
+        starts = [r.kv.num_computed for r in requests]
+        tokens = [r.token_ids[s:s + n] for r, s in zip(requests, starts)]
+        logits = forward_paged(self.model, self.paged, tokens, starts, [r.kv.blocks for r in requests])
+        for request, row in zip(requests, logits):
+            self.blocks.advance(request.kv, request.token_ids, n)
+            if request.num_uncomputed:
+                continue  # a prompt chunk: its next token comes after the last chunk
+            events = request.accept(sample(row, request.params, request.generator))
+            if request.finished:  # free first: a client that saw the closing event finds the memory back
+                self.scheduler.finish(request)
+            for event in events:
+                self._deliver(request, event)
+
+    @staticmethod
+    def _deliver(request: Request, item: StreamEvent | BaseException) -> None:
+        try:
+            request.emit(item)
+        except RuntimeError:  # the client's event loop is gone: nobody is listening
+            request.cancelled = True
 
     async def stream_generate(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         """Async view of `iter_events`: the tensor work runs in a worker thread, never on the event loop."""

@@ -1,0 +1,136 @@
+"""Continuous batching policy: who waits, who runs this step, who is preempted when blocks run out.
+
+Each step every running sequence whose prompt is done decodes one token together; prompts are fed
+in chunks of at most `prefill_chunk` tokens per step so a long prompt cannot stall those decodes.
+A waiting request is admitted only when the pool holds its prompt plus its first generated token.
+When a decode needs a block and none is free, the latest admitted sequence is preempted: its blocks
+are freed and it goes back to the front of the queue, to be recomputed (its full blocks often come
+back from the prefix cache). Requests may be added and cancelled from any thread; `schedule` runs on
+the engine loop's thread, which alone touches KV memory.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+from inferlab.engine.block_manager import BlockManager
+from inferlab.engine.sequence import Request, Status
+from inferlab.errors import OverloadedError
+
+
+@dataclass
+class SchedulerConfig:
+    max_running: int  # sequences in one decode batch
+    max_waiting: int  # queued requests beyond which `add` refuses (the server's 503)
+    prefill_chunk: int  # prompt tokens computed per step, summed over sequences
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to feed this step)
+    decodes: list[Request] = field(default_factory=list)  # each feeds its last sampled token
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig) -> None:
+        self.blocks, self.config = blocks, config
+        self.waiting: list[Request] = []  # ordered by (priority, arrival)
+        self.running: list[Request] = []  # in admission order
+        self.preemptions = 0
+        self._mutex = threading.Lock()
+
+    def add(self, request: Request, bounded: bool = True) -> None:
+        """Queue a request, or refuse it before anything runs (never fits: CapacityError; queue full: Overloaded).
+
+        `bounded=False` skips the wait-queue limit, for a caller that waits for its own batch.
+        """
+        self.blocks.check_fits(len(request.prompt_ids) + request.max_new_tokens)
+        with self._mutex:
+            if bounded and len(self.waiting) >= self.config.max_waiting:
+                raise OverloadedError(f"the KV pool is busy and {len(self.waiting)} requests already wait; retry later")
+            self._enqueue(request)
+
+    def cancel(self, request: Request) -> None:
+        """Mark a request cancelled; its memory is freed at the start of the next step (never mid-forward)."""
+        request.cancelled = True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        with self._mutex:
+            self._reap_cancelled()
+            batch = ScheduledBatch()
+            preempted = self._schedule_decodes(batch)
+            budget = self.config.prefill_chunk
+            for request in self.running:  # prompts admitted earlier continue first
+                if budget and request not in batch.decodes and request.num_uncomputed > 1:
+                    n = min(request.num_uncomputed, budget)
+                    batch.prefills.append((request, n))
+                    budget -= n
+            while budget and not preempted and self.waiting and len(self.running) < self.config.max_running:
+                request = self.waiting[0]
+                if not self.blocks.can_allocate(request.num_tokens + 1):
+                    break  # first come, first served: no overtaking the head of the queue
+                self.waiting.pop(0)
+                self.blocks.allocate(request.kv, request.token_ids, request.num_tokens + 1)
+                request.status = Status.RUNNING
+                self.running.append(request)
+                n = min(request.num_uncomputed, budget)
+                batch.prefills.append((request, n))
+                budget -= n
+            return batch
+
+    def finish(self, request: Request) -> None:
+        """A request ended (or failed): free its blocks at once."""
+        with self._mutex:
+            self._drop(request)
+
+    def drain(self) -> list[Request]:
+        """Remove every request, freeing all memory (after a failed step); returns them to be told."""
+        with self._mutex:
+            requests = self.running + self.waiting
+            for request in requests:
+                self._drop(request)
+            return requests
+
+    def _schedule_decodes(self, batch: ScheduledBatch) -> bool:
+        """Give every decoding sequence room for its next token, preempting from the back; True if any was."""
+        preempted = False
+        for request in list(self.running):
+            if request not in self.running or request.num_uncomputed != 1:  # preempted above, or still prefilling
+                continue
+            while not self.blocks.ensure_room(request.kv, request.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                batch.decodes.append(request)
+        return preempted
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.kv)
+        request.status = Status.WAITING
+        request.preemptions += 1
+        self.preemptions += 1
+        self._enqueue(request)
+
+    def _reap_cancelled(self) -> None:
+        for request in [r for r in self.running + self.waiting if r.cancelled]:
+            self._drop(request)
+
+    def _drop(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+            self.blocks.free(request.kv)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = Status.FINISHED
+
+    def _enqueue(self, request: Request) -> None:
+        request.status = Status.WAITING
+        bisect.insort(self.waiting, request, key=lambda r: (r.priority, r.request_id))
