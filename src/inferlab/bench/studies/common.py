@@ -1,0 +1,92 @@
+"""What several studies measure the same way: prompts, decode timing, weight bytes, read bandwidth."""
+from __future__ import annotations
+
+import importlib
+import statistics
+import time
+from types import ModuleType
+from typing import Callable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
+
+from inferlab.bench.prompts import make_prompts
+from inferlab.bench.studies import StudyUnavailable
+from inferlab.engine.engine import InferenceEngine, Sequence
+
+
+def prompt_ids(cfg: DictConfig, engine: InferenceEngine, n_tokens: int) -> list[int]:
+    """One prompt of exactly `n_tokens` ids from the job's load dataset."""
+    load = {**OmegaConf.to_container(cfg.load, resolve=True), "num_requests": 1, "prompt_tokens": n_tokens}
+    return make_prompts(engine.tokenizer, load, seed=cfg.seed or 0)[0].token_ids
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_times(engine: InferenceEngine, ids: list[int], steps: int) -> list[float]:
+    """Prefill `ids`, then time `steps` greedy decode steps (seconds each); EOS does not stop it."""
+    logits, seq = engine.prefill(ids, reserve_tokens=steps)
+    try:
+        return decode_loop(engine, seq, logits, steps)[0]
+    finally:
+        seq.release()
+
+
+def decode_loop(engine: InferenceEngine, seq: Sequence, logits: Tensor, steps: int) -> tuple[list[float], Tensor]:
+    """`steps` greedy decode steps on `seq` from `logits`; each step's seconds and the last logits."""
+    times = []
+    for _ in range(steps):
+        token = int(logits.argmax())
+        start = time.perf_counter()
+        logits = engine.decode_step(token, seq)
+        sync(engine.config.device)
+        times.append(time.perf_counter() - start)
+    return times, logits
+
+
+def median_rate(times: list[float], warmup: int) -> float:
+    """Tokens/s of the median step after dropping `warmup` steps."""
+    return 1.0 / statistics.median(times[warmup:])
+
+
+def decode_rate(timestamps: list[float]) -> float:
+    """Tokens/s between the first and the last token: (n - 1) / (t_last - t_first), TPOT's inverse."""
+    return (len(timestamps) - 1) / (timestamps[-1] - timestamps[0])
+
+
+def median_of(run: Callable[[], float], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        run()
+    return statistics.median(run() for _ in range(repeats))
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step reads: every stored tensor once (tied embeddings count once)."""
+    seen: dict[int, int] = {}
+    for tensor in model.state_dict().values():
+        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def read_bandwidth_gb_s(megabytes: int, device: torch.device, repeats: int = 5) -> float:
+    """The machine's read bandwidth: the best of `repeats` sums over a buffer larger than the caches."""
+    buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        buffer.sum()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return buffer.nbytes / best / 1e9
+
+
+def require(module: str, feature: str) -> ModuleType:
+    """Import `module` or say which feature is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise StudyUnavailable(f"{feature} is not available yet ({module}: {e})") from e

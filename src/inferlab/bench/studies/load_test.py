@@ -1,0 +1,37 @@
+"""batching, server_latency, prefix_cache: the load generator against the job's target, one row of metrics.
+
+The three differ only in what their sweeps vary (concurrency, target=server, cache.prefix), so they share
+this one measurement.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from inferlab.bench.loadgen import LoadSpec, measure
+from inferlab.bench.prompts import load_tokenizer, make_prompts
+from inferlab.bench.studies import Rows, StudyUnavailable, register
+from inferlab.bench.targets import open_target
+
+STAT_KEYS = ("prefix_cache_hits", "prefix_cache_misses", "kv_blocks_total")
+
+
+@register("batching", "server_latency", "prefix_cache")
+def run(cfg: DictConfig) -> Rows:
+    if cfg.study.name == "prefix_cache" and OmegaConf.select(cfg, "cache.prefix") is None:
+        raise StudyUnavailable("the prefix cache is not available yet (no cache.prefix option)")
+    load = OmegaConf.to_container(cfg.load, resolve=True)
+    prompts = make_prompts(load_tokenizer(OmegaConf.to_container(cfg.model, resolve=True)), load, seed=cfg.seed or 0)
+    hydra = HydraConfig.get()
+    spec = LoadSpec(int(load["concurrency"]), float(load["rate"]), cfg.seed or 0, progress=True)
+    with open_target(cfg, dict(hydra.runtime.choices), list(hydra.overrides.task), Path(hydra.runtime.output_dir),
+                     int(load["output_tokens"])) as target:
+        metrics = measure(target, prompts, spec, warmup=int(cfg.measure.warmup))
+        stats = target.stats()
+    prefix = OmegaConf.select(cfg, "cache.prefix")
+    return [{"concurrency": spec.concurrency, "rate": None if math.isinf(spec.rate) else spec.rate,
+             "dataset": load["dataset"], "prefix": None if prefix is None else str(prefix).lower(), **metrics,
+             **{k: stats[k] for k in STAT_KEYS if k in stats}}]

@@ -1,0 +1,131 @@
+"""peers: batch-1 decode tokens/s of inferlab, Hugging Face transformers and llama.cpp on the same GGUF.
+
+Every engine is timed the same way: token arrival times while generating `new_tokens` greedy tokens after
+the same prompt ids, decode rate = (n - 1) / (t_last - t_first). The roofline is the read bandwidth measured
+here over the bytes of weights one decode step reads.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from omegaconf import DictConfig
+
+from inferlab.api import engine_from_config
+from inferlab.bench.studies import Rows, StudyUnavailable, register
+from inferlab.bench.studies.common import (decode_loop, decode_rate, median_of, prompt_ids, read_bandwidth_gb_s,
+                                           require, weight_bytes)
+from inferlab.engine.engine import InferenceEngine
+
+Runner = Callable[[list[int], int], list[float]]  # (prompt ids, new tokens) -> token arrival times
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LLAMA_CPP_FTYPES = {"fp32": "LLAMA_FTYPE_ALL_F32", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "fp16": "LLAMA_FTYPE_MOSTLY_F16",
+                    "int8": "LLAMA_FTYPE_MOSTLY_Q8_0"}  # int4 runs the shipped Q4_1 file itself
+
+
+@register("peers")
+def run(cfg: DictConfig) -> Rows:
+    engine = engine_from_config(cfg)
+    gguf = engine.loaded.gguf_path
+    if gguf is None:
+        raise StudyUnavailable("peers compares engines on one GGUF file: use a GGUF model (model=smollm2-135m)")
+    m = cfg.measure
+    ids = prompt_ids(cfg, engine, int(m.prompt_tokens))
+    bandwidth = read_bandwidth_gb_s(int(m.bandwidth_mb), engine.config.device)
+    common = {"bandwidth_gb_s": bandwidth, "prompt_tokens": len(ids), "new_tokens": int(m.new_tokens),
+              "torch_threads": torch.get_num_threads()}
+    makers: dict[str, Callable[[], tuple[Runner, int, str]]] = {
+        "inferlab": lambda: (inferlab_runner(engine), weight_bytes(engine.model), engine.loaded.source),
+        "transformers": lambda: transformers_runner(gguf, cfg.precision, engine.config.device),
+        "llama.cpp": lambda: llama_cpp_runner(gguf, cfg.precision.name),
+    }
+    rows = []
+    for name in cfg.study.engines:
+        try:
+            runner, nbytes, note = makers[name]()
+        except StudyUnavailable as e:
+            rows.append({"engine": name, "decode_tok_s": None, "note": str(e), **common})
+            continue
+        rate = median_of(lambda: decode_rate(runner(ids, int(m.new_tokens))), int(m.warmup), int(m.repeats))
+        roofline = bandwidth * 1e9 / nbytes
+        rows.append({"engine": name, "decode_tok_s": rate, "weight_mb": nbytes / 2**20, "roofline_tok_s": roofline,
+                     "pct_roofline": 100.0 * rate / roofline, "note": note, **common})
+    return rows
+
+
+def inferlab_runner(engine: InferenceEngine) -> Runner:
+    def generate(ids: list[int], n: int) -> list[float]:
+        logits, seq = engine.prefill(ids, reserve_tokens=n)
+        try:
+            start = time.perf_counter()
+            times, _ = decode_loop(engine, seq, logits, n - 1)
+        finally:
+            seq.release()
+        return [start + sum(times[:i]) for i in range(n)]
+
+    return generate
+
+
+def transformers_runner(gguf: Path, precision: DictConfig, device: torch.device) -> tuple[Runner, int, str]:
+    if precision.get("quant") or precision.dtype not in TORCH_DTYPES:
+        raise StudyUnavailable(f"transformers has no {precision.name} path for GGUF weights on this device")
+    transformers = require("transformers", "the transformers peer (pip install -e .[peers])")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=TORCH_DTYPES[precision.dtype]).to(device).eval()
+
+    class Clock(transformers.generation.streamers.BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.prompt_seen = False
+
+        def put(self, value: torch.Tensor) -> None:
+            if self.prompt_seen:
+                self.times.append(time.perf_counter())
+            self.prompt_seen = True
+
+        def end(self) -> None:
+            pass
+
+    def generate(ids: list[int], n: int) -> list[float]:
+        clock = Clock()
+        with torch.inference_mode():
+            model.generate(torch.tensor([ids], device=device), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           streamer=clock, pad_token_id=model.config.eos_token_id)
+        return clock.times
+
+    nbytes = sum(p.nbytes for p in {p.data_ptr(): p for p in model.parameters()}.values())
+    return generate, nbytes, f"transformers {transformers.__version__} generate"
+
+
+def llama_cpp_runner(gguf: Path, precision: str) -> tuple[Runner, int, str]:
+    llama_cpp = require("llama_cpp", "the llama.cpp peer (pip install -e .[peers])")
+    if precision != "int4" and precision not in LLAMA_CPP_FTYPES:
+        raise StudyUnavailable(f"llama.cpp has no {precision} counterpart")
+    path = gguf if precision == "int4" else requantized(llama_cpp, gguf, precision)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_threads=torch.get_num_threads(), verbose=False)
+
+    def generate(ids: list[int], n: int) -> list[float]:
+        llm.reset()
+        times = []
+        for _ in llm.generate(ids, temp=0.0, reset=True):
+            times.append(time.perf_counter())
+            if len(times) == n:
+                break
+        return times
+
+    return generate, path.stat().st_size, f"llama-cpp-python {llama_cpp.__version__} on {path.name}"
+
+
+def requantized(llama_cpp, gguf: Path, precision: str) -> Path:
+    """A copy of `gguf` at `precision`, made once with llama.cpp's own quantizer beside the user cache."""
+    out = Path.home() / ".cache" / "inferlab" / f"{gguf.stem}.{precision}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, LLAMA_CPP_FTYPES[precision])
+        params.allow_requantize = True
+        if llama_cpp.llama_model_quantize(str(gguf).encode(), str(out).encode(), params) != 0:
+            raise StudyUnavailable(f"llama.cpp could not requantize {gguf.name} to {precision}")
+    return out

@@ -1,0 +1,47 @@
+"""quant_tradeoff: for this job's precision, weight MB, resident memory, generation tokens/s per batch size
+and perplexity on held-out text (`inferlab.bench.perplexity.evaluate_perplexity(engine, max_tokens)`)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from inferlab.api import engine_from_config
+from inferlab.bench.studies import Rows, register
+from inferlab.bench.studies.common import median_of, prompt_ids, require, weight_bytes
+from inferlab.engine.engine import InferenceEngine
+
+
+@register("quant_tradeoff")
+def run(cfg: DictConfig) -> Rows:
+    if cfg.precision.get("quant"):
+        require("inferlab.quant.apply", f"{cfg.precision.name} weights")
+    perplexity = require("inferlab.bench.perplexity", "perplexity evaluation")
+    engine = engine_from_config(cfg)
+    m = cfg.measure
+    ids = prompt_ids(cfg, engine, int(m.prompt_tokens))
+    common = {"weight_mb": weight_bytes(engine.model) / 2**20,
+              "perplexity": perplexity.evaluate_perplexity(engine, int(m.perplexity_tokens))}
+    rows = []
+    for batch in cfg.study.batch_sizes:
+        rate = median_of(lambda: generation_rate(engine, [ids] * int(batch), int(m.new_tokens)),
+                         int(m.warmup), int(m.repeats))
+        rows.append({"batch_size": int(batch), "gen_tok_s": rate, "rss_mb": resident_mb(), **common})
+    return rows
+
+
+def generation_rate(engine: InferenceEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Generated tokens per wall second for the batch (prefill included), greedy."""
+    start = time.perf_counter()
+    if len(prompts) == 1:
+        done = [engine.generate(prompts[0], max_new_tokens=new_tokens, temperature=0.0)]
+    else:
+        done = engine.generate_batch(prompts, max_new_tokens=new_tokens)
+    return sum(len(c.token_ids) for c in done) / (time.perf_counter() - start)
+
+
+def resident_mb() -> float:
+    """This process's resident memory now (Linux /proc), after loading and generating."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * 4096 / 2**20

@@ -1,0 +1,123 @@
+"""What a load study drives: the engine in this process, or a real `inferlab-serve` subprocess over HTTP."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+from omegaconf import DictConfig
+
+from inferlab.api import engine_from_config
+from inferlab.bench.loadgen import HTTPTarget, clock
+from inferlab.bench.metrics import RequestRecord
+from inferlab.bench.prompts import Prompt
+from inferlab.engine.engine import GenerationRequest, InferenceEngine
+from inferlab.engine.sampling import SamplingParams
+
+ENGINE_GROUPS = ("model", "precision", "cache", "spec", "device")  # what the server must be launched with
+ENGINE_KEYS = (*ENGINE_GROUPS, "seed", "max_new_tokens", "temperature", "top_p", "top_k", "chat")
+
+
+@dataclass
+class EngineTarget:
+    """The in-process engine behind the same `send` interface the HTTP client offers."""
+
+    engine: InferenceEngine
+    params: SamplingParams
+
+    async def send(self, prompt: Prompt, record: RequestRecord) -> None:
+        async for event in self.engine.submit(GenerationRequest(prompt=prompt.token_ids, params=self.params)):
+            if event.token_id is not None:
+                record.chunk_times.append(clock())
+            elif event.timings is not None:
+                record.output_tokens = event.timings.completion_tokens
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+
+class ServedTarget(HTTPTarget):
+    def stats(self) -> dict[str, Any]:
+        return httpx.get(f"{self.base_url}/v1/metrics", timeout=10).json()
+
+
+@contextmanager
+def open_target(cfg: DictConfig, choices: dict[str, str], task_overrides: list[str], log_dir: Path,
+                output_tokens: int) -> Iterator[EngineTarget | ServedTarget]:
+    """The job's target; `choices` and `task_overrides` (Hydra's) say how to launch an identical server."""
+    if cfg.target.kind == "engine":
+        engine = engine_from_config(cfg)
+        yield EngineTarget(engine, engine.sampling_params(max_new_tokens=output_tokens))
+        return
+    overrides = [f"{g}={choices[g]}" for g in ENGINE_GROUPS if g in choices]
+    overrides += [o for o in task_overrides if o.lstrip("+~").split("=")[0].split(".")[0] in ENGINE_KEYS + ("server",)
+                  and o.split("=")[0] not in ENGINE_GROUPS]
+    with ServerProcess(list(cfg.target.command), [*overrides, *cfg.target.overrides], cfg.target.host,
+                       float(cfg.target.startup_timeout_s), log_dir / "server.log") as url:
+        target = ServedTarget(url, cfg.target.api, max_tokens=output_tokens, temperature=float(cfg.temperature))
+        yield target
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """Launch the server command with `overrides` on a free port; wait for /health; stop it on exit."""
+
+    def __init__(self, command: list[str], overrides: list[str], host: str, startup_timeout_s: float,
+                 log_path: Path) -> None:
+        self.host, self.port = host, free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        executable = shutil.which(command[0], path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        self.argv = [executable or command[0], *command[1:], *overrides, f"server.host={host}", f"server.port={self.port}"]
+        self.timeout, self.log_path = startup_timeout_s, log_path
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                tail = self.log_path.read_text(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"server exited with code {self.process.returncode}: {' | '.join(tail)}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server did not answer {self.url}/health within {self.timeout:.0f} s (log: {self.log_path})")
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

@@ -1,0 +1,4 @@
+"""python -m inferlab.report: the same as inferlab-report."""
+from inferlab.report.build import main
+
+main()

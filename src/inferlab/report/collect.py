@@ -1,0 +1,66 @@
+"""result.json files -> one pandas DataFrame, one line per result row, with the job's choices beside it.
+
+Re-running a job adds a newer result.json; only the newest result per (study, overrides) is kept, so the
+report always shows the latest measurement of each configuration.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+META = ("study", "sweep", "status", "error", "size", "model", "precision", "cache", "spec", "target", "load",
+        "device", "timestamp", "git_commit", "cpu_model", "gpu", "torch_threads", "job")
+IGNORED_OVERRIDES = ("results_root", "hydra.")
+
+
+def load_results(root: Path) -> list[dict[str, Any]]:
+    results = []
+    root = Path(root)
+    for path in sorted(root.rglob("result.json")):
+        result = json.loads(path.read_text())
+        result["job"] = str(path.parent.relative_to(root))
+        results.append(result)
+    return results
+
+
+def latest(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    newest: dict[tuple, dict[str, Any]] = {}
+    for result in sorted(results, key=lambda r: r["env"].get("timestamp", "")):
+        newest[job_key(result)] = result
+    return list(newest.values())
+
+
+def job_key(result: dict[str, Any]) -> tuple:
+    overrides = sorted(o for o in result["overrides"] if not o.lstrip("+~").startswith(IGNORED_OVERRIDES))
+    return result["study"], tuple(overrides)
+
+
+def to_frame(results: list[dict[str, Any]]) -> pd.DataFrame:
+    lines = []
+    for result in results:
+        meta = _meta(result)
+        lines += [{**meta, **row} for row in result["rows"]] or [meta]
+    frame = pd.DataFrame(lines)
+    first = [c for c in META if c in frame.columns]
+    return frame[first + [c for c in frame.columns if c not in first]]
+
+
+def collect(root: Path) -> pd.DataFrame:
+    return to_frame(latest(load_results(root)))
+
+
+def _meta(result: dict[str, Any]) -> dict[str, Any]:
+    choices, env, config = result.get("choices", {}), result.get("env", {}), result.get("config", {})
+    meta = {"study": result["study"], "sweep": result.get("sweep"), "status": result["status"],
+            "error": result.get("error"), "size": config.get("measure", {}).get("size"),
+            **{k: choices.get(k) for k in ("model", "precision", "cache", "spec", "target", "load", "device")},
+            "timestamp": env.get("timestamp"), "git_commit": (env.get("git_commit") or "")[:10],
+            "cpu_model": env.get("cpu_model"), "gpu": env.get("gpu"), "torch_threads": env.get("torch_threads"), "job": result["job"]}
+    for override in result["overrides"]:  # an unavailable value's group, e.g. precision=int8
+        key, _, value = override.partition("=")
+        if key in meta and meta[key] is None:
+            meta[key] = value
+    return meta
