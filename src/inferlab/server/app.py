@@ -1,0 +1,89 @@
+"""create_app: the FastAPI app over one engine. Native routes here; OpenAI-compatible ones in openai.py.
+
+Handlers validate, submit and relay; they never touch tensors. The engine's own loop (or worker
+thread) owns the model and the KV memory.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from inferlab.engine.engine import InferenceEngine, StreamEvent
+from inferlab.errors import ShuttingDownError
+from inferlab.server import openai
+from inferlab.server.guards import BodySizeLimit, Guards, install_error_handlers
+from inferlab.server.metrics import RequestLog, ServerMetrics
+from inferlab.server.schemas import ErrorEnvelope, GenerateRequest, GenerateResponse, Usage
+from inferlab.server.settings import ServerSettings
+from inferlab.server.streams import Dispatcher, EventStreamResponse
+
+ERRORS = {status: {"model": ErrorEnvelope} for status in (401, 413, 422, 429, 503, 504)}
+
+
+def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: str) -> FastAPI:
+    app = FastAPI(title="inferlab", summary="LLM inference server: SSE streaming and OpenAI-compatible routes",
+                  version="0.1.0")
+    guards = Guards(settings)
+    metrics = ServerMetrics(settings.metrics_window, engine.stats)
+    dispatcher = Dispatcher(engine, settings)
+    app.state.guards = guards  # serve.py sets guards.draining when shutdown starts
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestLog, metrics=metrics)  # outermost: it sees every response, 413s included
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        if guards.draining:
+            raise ShuttingDownError("the server is shutting down")
+        return {"status": "ok", "model": model_name}
+
+    @app.get("/metrics", response_class=Response, summary="Prometheus text format")
+    def prometheus() -> Response:
+        return Response(metrics.prometheus(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/metrics", dependencies=[Depends(guards.authorize)], responses=ERRORS)
+    def json_metrics() -> dict[str, Any]:
+        return metrics.snapshot()
+
+    @app.get("/v1/models", dependencies=[Depends(guards.authorize)], responses=ERRORS)
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "inferlab"}]}
+
+    @app.post("/v1/generate", dependencies=[Depends(guards.admit)], responses=ERRORS)
+    async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
+        record = request.state.record
+        job = await dispatcher.start(record, body.sampling_overrides(), body.max_new_tokens, body.prompt, body.chat)
+        text, token_ids, last = await job.collect()
+        t = last.timings
+        return GenerateResponse(
+            id=record.id, text=text, token_ids=token_ids, finish_reason=last.finish_reason,
+            usage=Usage(prompt_tokens=t.prompt_tokens, completion_tokens=t.completion_tokens,
+                        total_tokens=t.prompt_tokens + t.completion_tokens),
+            ttft_ms=t.ttft_ms, tpot_ms=t.tpot_ms, tokens_per_sec=t.tokens_per_sec, total_ms=t.total_ms)
+
+    @app.post("/v1/generate/stream", dependencies=[Depends(guards.admit)], response_class=EventStreamResponse,
+              responses={200: {"content": {"text/event-stream": {}}}, **ERRORS})
+    async def generate_stream(body: GenerateRequest, request: Request) -> EventStreamResponse:
+        job = await dispatcher.start(request.state.record, body.sampling_overrides(), body.max_new_tokens,
+                                     body.prompt, body.chat)
+        return EventStreamResponse(job.sse(native_chunks))
+
+    app.include_router(openai.router(dispatcher, guards, model_name, ERRORS))
+    return app
+
+
+def native_chunks(event: StreamEvent) -> Iterable[dict[str, Any]]:
+    """One chunk per token (the first carries `ttft_ms`); the closing one carries the summary."""
+    if event.finish_reason is None:
+        chunk: dict[str, Any] = {"index": event.index, "text": event.text, "token_id": event.token_id}
+        if event.ttft_ms is not None:
+            chunk["ttft_ms"] = event.ttft_ms
+        yield chunk
+        return
+    t = event.timings
+    yield {"index": event.index, "text": event.text, "finish_reason": event.finish_reason,
+           "prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens, "ttft_ms": t.ttft_ms,
+           "tpot_ms": t.tpot_ms, "tokens_per_sec": t.tokens_per_sec, "total_ms": t.total_ms}

@@ -1,0 +1,142 @@
+"""What refuses a request before it reaches the engine, and the one shape every refusal takes.
+
+Every error leaves as `{"error": {"code", "message"}}` with a status from `STATUS`; a bug leaves as a
+500 `internal_error` whose trace is logged server-side only.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import time
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from limits import parse
+from limits.storage import MemoryStorage
+from limits.strategies import MovingWindowRateLimiter
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from inferlab.errors import (InferlabError, PayloadTooLargeError, RateLimitedError, ShuttingDownError,
+                             UnauthorizedError)
+from inferlab.server.settings import ServerSettings
+
+log = logging.getLogger("inferlab.server")
+
+STATUS = {  # InferlabError.code -> HTTP status
+    "invalid_request": 422,
+    "unauthorized": 401,
+    "payload_too_large": 413,
+    "rate_limited": 429,
+    "overloaded": 503,  # the KV pool and the wait queue are full
+    "capacity_exceeded": 503,  # the slot pool is full (single-request engine)
+    "shutting_down": 503,
+    "timeout": 504,
+}
+
+
+def envelope(code: str, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+def error_response(error: InferlabError) -> JSONResponse:
+    headers = {"Retry-After": str(error.retry_after_s)} if isinstance(error, RateLimitedError) else None
+    return JSONResponse(envelope(error.code, _one_line(error)), STATUS.get(error.code, 500), headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(InferlabError)
+    async def inferlab_error(request: Request, error: InferlabError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()[:3]]
+        return JSONResponse(envelope("invalid_request", "; ".join(problems) or "invalid request"), 422)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        phrase = HTTPStatus(error.status_code).phrase
+        return JSONResponse(envelope(phrase.lower().replace(" ", "_"), str(error.detail or phrase)),
+                            error.status_code, headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, error: Exception) -> JSONResponse:
+        request_id = getattr(request.state, "record", None) and request.state.record.id
+        log.error("request %s failed", request_id, exc_info=error)
+        return JSONResponse(envelope("internal_error", f"internal error (request {request_id})"), 500)
+
+
+class Guards:
+    """Per-route dependencies: admission while not draining, API-key auth, per-client rate limit."""
+
+    bearer = HTTPBearer(auto_error=False, description="one of server.api_keys, when any are configured")
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.keys = [k.encode() for k in settings.api_keys]
+        self.limit = parse(settings.rate_limit)
+        self.limiter = MovingWindowRateLimiter(MemoryStorage())
+        self.draining = False  # set when shutdown starts: refuse new work, let running streams finish
+
+    def authorize(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str | None:
+        """The caller's key (None when no keys are configured); 401 when it is missing or wrong."""
+        if not self.keys:
+            return credentials.credentials if credentials else None
+        given = credentials.credentials.encode() if credentials else b""
+        if not any(hmac.compare_digest(given, key) for key in self.keys):
+            raise UnauthorizedError("missing or wrong API key: send `Authorization: Bearer <key>`")
+        return credentials.credentials
+
+    def admit(self, request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        """For generation routes: refuse while draining, then count the call against the client's limit."""
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down")
+        key = self.authorize(credentials)
+        client = f"key:{key}" if key else f"addr:{request.client.host if request.client else 'unknown'}"
+        if not self.limiter.hit(self.limit, client):
+            reset = self.limiter.get_window_stats(self.limit, client).reset_time
+            raise RateLimitedError(f"rate limit {self.limit} exceeded", max(1, math.ceil(reset - time.time())))
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 for a body over `max_bytes`, declared or streamed, before anything parses it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        buffered: list[Message] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+
+        async def replay() -> Message:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = PayloadTooLargeError(f"request body over {self.max_bytes} bytes")
+        await error_response(error)(scope, receive, send)
+
+
+def _one_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

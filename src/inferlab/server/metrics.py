@@ -1,0 +1,133 @@
+"""What the server observes: one record per request, logged as one line when the response ends, and
+folded into the JSON (/v1/metrics) and Prometheus (/metrics) views.
+
+TTFT and TPOT are taken server-side with the definitions of DESIGN.md: TTFT = request arrival -> first
+token ready to send; TPOT = (E2E - TTFT) / (completion_tokens - 1).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("inferlab.server")
+
+PERCENTILES = (50, 90, 95, 99)
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class RequestRecord:
+    """Filled in as the request goes: by the log middleware (id, timing, status) and by the routes (tokens)."""
+
+    method: str
+    path: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    start: float = field(default_factory=time.perf_counter)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    error: str | None = None  # the error code of a stream that ended early (timeout, cancelled, ...)
+
+    def token(self) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.completion_tokens += 1
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return (self.first_token_at - self.start) * 1e3 if self.first_token_at is not None else None
+
+
+class ServerMetrics:
+    def __init__(self, window: int, engine_stats: Callable[[], dict[str, int]]) -> None:
+        self.engine_stats = engine_stats
+        self.recent: dict[str, deque[float]] = {k: deque(maxlen=window) for k in ("ttft_ms", "tpot_ms", "e2e_ms")}
+        self.registry = CollectorRegistry()  # one per app, so tests can build many apps in one process
+        self.requests = Counter("inferlab_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=self.registry)
+        self.tokens = Counter("inferlab_tokens", "Tokens processed", ["kind"], registry=self.registry)
+        self.latency = {
+            name: Histogram(f"inferlab_{name}_seconds", help, buckets=LATENCY_BUCKETS_S, registry=self.registry)
+            for name, help in (("ttft", "Request arrival to first token"), ("tpot", "Time per output token"),
+                               ("e2e", "Request arrival to last token"))}
+        self.registry.register(_EngineCollector(engine_stats))
+        ProcessCollector(registry=self.registry)
+        self.process = psutil.Process()
+
+    def finish(self, record: RequestRecord, status: int, route: str) -> None:
+        end = time.perf_counter()
+        total_ms = (end - record.start) * 1e3
+        self.requests.labels(route, str(status)).inc()
+        self.tokens.labels("prompt").inc(record.prompt_tokens)
+        self.tokens.labels("completion").inc(record.completion_tokens)
+        ttft = record.ttft_ms
+        if status == 200 and record.error is None and ttft is not None:
+            tpot = (total_ms - ttft) / (record.completion_tokens - 1) if record.completion_tokens > 1 else 0.0
+            for name, value in (("ttft", ttft), ("tpot", tpot), ("e2e", total_ms)):
+                self.recent[f"{name}_ms"].append(value)
+                self.latency[name].observe(value / 1e3)
+        log.info("request %s %s %s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f%s",
+                 record.id, record.method, record.path, status, record.prompt_tokens, record.completion_tokens,
+                 f"{ttft:.1f}" if ttft is not None else "-", total_ms, f" error={record.error}" if record.error else "")
+
+    def snapshot(self) -> dict[str, Any]:
+        """/v1/metrics: the engine's counters, latency percentiles over recent requests, server memory."""
+        out: dict[str, Any] = dict(self.engine_stats())
+        for name, values in self.recent.items():
+            array = np.asarray(values, dtype=np.float64)
+            out[name] = {f"p{p}": float(np.percentile(array, p)) if array.size else None for p in PERCENTILES}
+        out["requests_completed"] = len(self.recent["e2e_ms"])
+        out["server_rss_bytes"] = self.process.memory_info().rss
+        return out
+
+    def prometheus(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Engine counters read at scrape time, so Prometheus and /v1/metrics agree."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, int]]) -> None:
+        self.engine_stats = engine_stats
+
+    def collect(self):
+        for name, value in self.engine_stats().items():
+            yield GaugeMetricFamily(f"inferlab_{name}", name.replace("_", " "), value=value)
+
+
+class RequestLog:
+    """ASGI middleware: a RequestRecord in `request.state.record`, an `x-request-id` header, and one log
+    line (plus metrics) when the response has ended, streamed or not."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        record = RequestRecord(scope["method"], scope["path"])
+        scope.setdefault("state", {})["record"] = record
+        status = 500  # what the client gets if the app raises before starting a response
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", record.id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.finish(record, status, route)

@@ -1,0 +1,167 @@
+"""From a validated body to engine events, for every route.
+
+`Dispatcher.prepare` does the checks that need the tokenizer (caps, prompt tokens vs context) without tensor work;
+`Job.start` submits and waits for the first event under the deadline, so every refusal the engine makes
+(overloaded, timeout) is still an HTTP status; after that the job is a stream whose errors become an SSE
+error event. Closing a job (client gone, deadline, shutdown) closes the engine's iterator, which cancels
+the request and frees its KV.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable, Iterable
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from inferlab.engine.engine import GenerationRequest, InferenceEngine, StreamEvent
+from inferlab.engine.sampling import SamplingParams
+from inferlab.errors import InferlabError, InvalidRequestError, RequestTimeoutError
+from inferlab.server.guards import envelope
+from inferlab.server.metrics import RequestRecord
+from inferlab.server.settings import ServerSettings
+
+log = logging.getLogger("inferlab.server")
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclasses.dataclass
+class Dispatcher:
+    engine: InferenceEngine
+    settings: ServerSettings
+
+    async def start(self, record: RequestRecord, sampling: dict[str, Any], max_new_tokens: int | None,
+                    prompt: str = "", chat: bool = False, messages: list[dict[str, str]] | None = None) -> "Job":
+        prompt_ids, params = self.prepare(record, sampling, max_new_tokens, prompt, chat, messages)
+        return await Job.start(self.engine, prompt_ids, params, record, self.settings.timeout_s)
+
+    def prepare(self, record: RequestRecord, sampling: dict[str, Any], max_new_tokens: int | None, prompt: str,
+                chat: bool, messages: list[dict[str, str]] | None) -> tuple[list[int], SamplingParams]:
+        """Prompt token ids and sampling parameters, or InvalidRequestError (422) before any tensor work."""
+        settings, engine = self.settings, self.engine
+        chars = len(prompt) + sum(len(m["content"]) for m in messages or ())
+        if chars > settings.max_prompt_chars:
+            raise InvalidRequestError(f"prompt has {chars} characters; the limit is {settings.max_prompt_chars}")
+        cap = settings.max_new_tokens_cap
+        if max_new_tokens is not None and max_new_tokens > cap:
+            raise InvalidRequestError(f"max_new_tokens must be in [1, {cap}], got {max_new_tokens}")
+        params = engine.sampling_params(max_new_tokens=max_new_tokens, **sampling)
+        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, cap))
+        try:
+            prompt_ids = engine.encode_prompt(prompt, chat, messages)
+        except ValueError as e:  # the chat template refused the messages
+            raise InvalidRequestError(str(e).splitlines()[0]) from None
+        engine.check_prompt(prompt_ids)
+        record.prompt_tokens = len(prompt_ids)
+        return prompt_ids, params
+
+
+@dataclasses.dataclass
+class Job:
+    """One submitted request: its engine events, the first one already in hand, and its deadline."""
+
+    events: AsyncIterator[StreamEvent]
+    first: StreamEvent
+    record: RequestRecord
+    timeout_s: float
+
+    @classmethod
+    async def start(cls, engine: InferenceEngine, prompt_ids: list[int], params: SamplingParams,
+                    record: RequestRecord, timeout_s: float) -> "Job":
+        events = engine.submit(GenerationRequest(prompt_ids, params))
+        try:
+            first = await _next(events, record, timeout_s)
+        except BaseException:
+            await _close(events)
+            raise
+        return cls(events, first, record, timeout_s)
+
+    async def _events(self) -> AsyncIterator[StreamEvent]:
+        """Every event, the closing one last; the deadline covers the whole request."""
+        try:
+            event = self.first
+            while True:
+                if event.token_id is not None:
+                    self.record.token()
+                yield event
+                if event.finish_reason is not None:
+                    return
+                event = await _next(self.events, self.record, self.timeout_s)
+        finally:
+            await _close(self.events)
+
+    async def collect(self) -> tuple[str, list[int], StreamEvent]:
+        """Text, token ids and the closing event (non-streaming routes)."""
+        parts, ids = [], []
+        async with aclosing(self._events()) as events:
+            async for event in events:
+                parts.append(event.text)
+                if event.token_id is not None:
+                    ids.append(event.token_id)
+                if event.finish_reason is not None:
+                    return "".join(parts), ids, event
+        raise RuntimeError("the engine ended a request without a closing event")
+
+    async def sse(self, render: Callable[[StreamEvent], Iterable[dict[str, Any]]]) -> AsyncIterator[bytes]:
+        """`data: {...}` per rendered payload, an error event if the stream breaks, then `data: [DONE]`."""
+        try:
+            async with aclosing(self._events()) as events:
+                async for event in events:
+                    for payload in render(event):
+                        yield sse_data(payload)
+        except InferlabError as e:
+            self.record.error = e.code
+            yield sse_data(envelope(e.code, str(e)))
+        except asyncio.CancelledError:  # the client went away (or shutdown's grace ran out)
+            self.record.error = "cancelled"
+            raise
+        except Exception as e:  # a bug mid-stream: the trace stays in the server log
+            self.record.error = "internal_error"
+            log.error("request %s failed mid-stream", self.record.id, exc_info=e)
+            yield sse_data(envelope("internal_error", f"internal error (request {self.record.id})"))
+        yield DONE
+
+
+def sse_data(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """text/event-stream that always closes its body iterator, at once, however the response ends.
+
+    (Starlette cancels a body iterator suspended in `send` without closing it; garbage collection would
+    close it later, and the request's KV would stay allocated until then.)
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+async def _next(events: AsyncIterator[StreamEvent], record: RequestRecord, timeout_s: float) -> StreamEvent:
+    remaining = record.start + timeout_s - time.perf_counter()
+    try:
+        async with asyncio.timeout(max(remaining, 0.0)):
+            return await anext(events)
+    except TimeoutError:
+        raise RequestTimeoutError(f"the request did not finish within its {timeout_s:g} s deadline") from None
+
+
+async def _close(events: AsyncIterator[StreamEvent]) -> None:
+    with anyio.CancelScope(shield=True):
+        await events.aclose()
