@@ -14,6 +14,7 @@ from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.errors import InvalidRequestError, ModelLoadError
 from inferlab.model.loader import load_model
+from inferlab.quant import quantize_model
 
 CONF_DIR = Path(os.environ.get("INFERLAB_CONF", Path(__file__).resolve().parents[2] / "conf"))
 
@@ -58,6 +59,8 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
     if cfg.cache.prefix and cfg.cache.mode != "paged":
         raise InvalidRequestError(f"cache.prefix=true needs cache=paged (got cache={cfg.cache.mode})")
     loaded = load_model(model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0)
+    if cfg.precision.quant:
+        quantize_model(loaded.model, cfg.precision.quant, cfg.precision.get("group_size"), loaded.gguf_path)
     defaults = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                               top_k=cfg.top_k, seed=cfg.seed, stop=list(cfg.stop))
     kv_blocks = blocks_for_budget(loaded.config, cfg.cache.kv_budget_mb, cfg.cache.block_size, dtype) \

@@ -1,0 +1,108 @@
+"""quantize_model: swap a decoder's nn.Linear layers for quantized ones in place, and say what changed.
+
+The decoder's Linears get the asked format. The LM head gets int8 in both modes: it is the layer
+perplexity is most sensitive to (llama.cpp's 4-bit files keep it at 6-8 bits; this model's GGUF keeps
+the tied embedding at Q8_0). A tied embedding then looks its rows up in the head's int8 matrix, so
+the two still share one copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+from inferlab.errors import QuantizationError
+from inferlab.quant.gguf_q4 import Q4_1_GROUP, read_q4_1_linears
+from inferlab.quant.int4 import Int4GroupLinear, check_group_size
+from inferlab.quant.int8 import Int8Embedding, Int8Linear
+from inferlab.quant.kernels import int8_kernel_fits
+
+MODES = ("int8", "int4")
+QUANTIZED = (Int8Linear, Int4GroupLinear, Int8Embedding)
+HEAD = "output"
+
+
+@dataclass
+class LayerQuant:
+    name: str
+    format: str  # "int8" | "int4"
+    source: str  # "quantized" (from the float weights) | "gguf_q4_1" (the file's blocks, as they are)
+    kernel: str  # "int8pack" | "cpu" | "cuda" (int4pack) | "rows" (dequantize-then-linear reference)
+    bytes_before: int
+    bytes_after: int
+
+
+@dataclass
+class QuantReport:
+    mode: str
+    group_size: int | None
+    layers: list[LayerQuant] = field(default_factory=list)
+    bytes_before: int = 0  # all weights of the model, each shared tensor counted once
+    bytes_after: int = 0
+
+    def summary(self) -> str:
+        sources = sorted({layer.source for layer in self.layers})
+        kernels = sorted({layer.kernel for layer in self.layers})
+        return (f"{self.mode}{f' g={self.group_size}' if self.group_size else ''}: {len(self.layers)} Linears "
+                f"(from {', '.join(sources)}; kernels {', '.join(kernels)}), weights "
+                f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the state dict, each storage once (tied weights are shared, not doubled)."""
+    seen: dict[int, int] = {}
+    for tensor in model.state_dict().values():
+        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _module_bytes(module: nn.Module) -> int:
+    return sum(t.nbytes for t in module.state_dict().values())
+
+
+def _kernel(module: nn.Module) -> str:
+    if isinstance(module, Int4GroupLinear):
+        return module.layout
+    return "int8pack" if module.use_kernel and int8_kernel_fits(module.weight.device, module.scales.dtype) else "rows"
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int | None = None, gguf_path: Path | None = None,
+                   use_kernel: bool = True) -> QuantReport:
+    """Quantize in place; with `gguf_path`, int4 at group size 32 imports the file's Q4_1 blocks losslessly."""
+    if mode not in MODES:
+        raise QuantizationError(f"unknown quantization {mode!r}; use one of {list(MODES)}")
+    if any(isinstance(m, QUANTIZED) for m in model.modules()):
+        raise QuantizationError("the model is already quantized; load it again to quantize another way")
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if mode == "int4":
+        group_size = group_size or 64
+        for name, linear in linears.items():
+            if name != HEAD:
+                try:
+                    check_group_size(group_size, linear.in_features)
+                except QuantizationError as e:
+                    raise QuantizationError(f"{name}: {e}") from None
+    else:
+        group_size = None
+    imported = read_q4_1_linears(gguf_path, model.config) if gguf_path and mode == "int4" and group_size == Q4_1_GROUP else {}
+
+    report = QuantReport(mode, group_size, bytes_before=weight_bytes(model))
+    for name, linear in linears.items():
+        if name == HEAD or mode == "int8":
+            new: nn.Module = Int8Linear(linear, use_kernel=use_kernel)
+        else:
+            new = Int4GroupLinear(linear, group_size, use_kernel=use_kernel, codes=imported.get(name))
+        report.layers.append(LayerQuant(name, "int8" if isinstance(new, Int8Linear) else "int4",
+                                        "gguf_q4_1" if name in imported else "quantized", _kernel(new),
+                                        _module_bytes(linear), _module_bytes(new)))
+        _set_submodule(model, name, new)
+        if name == HEAD and linear.weight is getattr(getattr(model, "tok_embeddings", None), "weight", None):
+            model.tok_embeddings = Int8Embedding(new)
+    report.bytes_after = weight_bytes(model)
+    return report
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)

@@ -1,0 +1,69 @@
+"""GGUF Q4_1 blocks -> Int4GroupLinear codes, so precision=int4 runs the 4-bit weights the file holds.
+
+A Q4_1 block is 32 weights: fp16 d, fp16 m, then 16 bytes whose byte i holds weight i (low nibble)
+and weight i + 16 (high nibble); w = d * q + m. Rows are fused and un-permuted exactly as the loader
+does with the dequantized weights (permuting whole rows of a row-wise quantized matrix is lossless).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from inferlab.model.config import ModelConfig
+from inferlab.model.loader import unpermute_qk
+
+Q4_1_GROUP = 32
+Codes = tuple[Tensor, Tensor, Tensor]  # codes uint8 (N, K), scales fp32 (N, G), mins fp32 (N, G)
+
+
+def q4_1_codes(blocks: np.ndarray) -> Codes:
+    """blocks: uint8 (N, G * 20), one row per output channel, as GGUFReader exposes a Q4_1 tensor."""
+    n = blocks.shape[0]
+    b = np.ascontiguousarray(blocks).reshape(-1, 20)  # (N * G, 20)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # (N * G, 1)
+    m = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    qs = b[:, 4:]
+    codes = np.concatenate((qs & 0x0F, qs >> 4), axis=1)  # (N * G, 32)
+    return (torch.from_numpy(codes).reshape(n, -1), torch.from_numpy(d).reshape(n, -1),
+            torch.from_numpy(m).reshape(n, -1))
+
+
+def _rows(codes: Codes, fix) -> Codes:
+    return tuple(fix(t) for t in codes)  # type: ignore[return-value]
+
+
+def _cat(parts: list[Codes]) -> Codes:
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
+
+
+def read_q4_1_linears(path: Path, config: ModelConfig) -> dict[str, Codes]:
+    """Codes per decoder Linear (module names as in Transformer), for every layer whose parts are all Q4_1."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    permute = reader.fields["general.architecture"].contents() == "llama"  # as in model/loader.py
+
+    def get(name: str, n_heads: int | None = None) -> Codes | None:
+        t = tensors[name]
+        if t.tensor_type != GGMLQuantizationType.Q4_1:
+            return None
+        codes = q4_1_codes(t.data)
+        return _rows(codes, lambda w: unpermute_qk(w, n_heads)) if permute and n_heads else codes
+
+    sources = {
+        "attention.wqkv": [("attn_q", config.n_heads), ("attn_k", config.n_kv_heads), ("attn_v", None)],
+        "attention.wo": [("attn_output", None)],
+        "feed_forward.w13": [("ffn_gate", None), ("ffn_up", None)],
+        "feed_forward.w2": [("ffn_down", None)],
+    }
+    found: dict[str, Codes] = {}
+    for i in range(config.n_layers):
+        for ours, parts in sources.items():
+            codes = [get(f"blk.{i}.{name}.weight", heads) for name, heads in parts]
+            if all(c is not None for c in codes):
+                found[f"layers.{i}.{ours}"] = _cat(codes)  # type: ignore[arg-type]
+    return found

@@ -1,0 +1,98 @@
+"""Group-wise INT4 weight-only quantization: asymmetric (scale, min) per group of K, two codes per byte.
+
+w ≈ q * scale + min with q in [0, 15] (the convention of GGUF's Q4_1, so its blocks import as they are).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from inferlab.errors import QuantizationError
+from inferlab.quant.kernels import int4_layout, int4_mm, int4pack_scales_and_zeros, to_int4pack
+
+GROUP_SIZES = (32, 64, 128)
+
+
+def check_group_size(group_size: int, in_features: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise QuantizationError(f"int4 group_size={group_size} is not supported; use one of {list(GROUP_SIZES)}")
+    if in_features % group_size:
+        raise QuantizationError(f"in_features={in_features} is not divisible by int4 group_size={group_size}; "
+                                f"pick a group size that divides it or leave this layer unquantized")
+
+
+def pack_nibbles(codes: Tensor) -> Tensor:
+    """uint8 codes (N, K) in [0, 15] -> (N, K/2), column 2j in the low nibble and 2j+1 in the high one."""
+    return codes[:, ::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    """(N, K/2) -> uint8 codes (N, K)."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(1)
+
+
+def quantize_groups_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """weight (N, K) -> codes uint8 (N, K), scales and mins fp32 (N, K / group_size)."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // group_size, group_size)
+    mins, maxs = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((maxs - mins) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round((w - mins[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return codes.view(n, k), scales, mins
+
+
+def dequantize_groups_int4(codes: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
+    """codes (N, K), scales and mins (N, G) -> fp32 (N, K): q * scale + min, in that order (GGUF's arithmetic)."""
+    n, k = codes.shape
+    q = codes.float().view(n, scales.shape[1], -1)
+    return (q * scales.float()[..., None] + mins.float()[..., None]).view(n, k)
+
+
+class Int4GroupLinear(nn.Module):
+    """Drop-in for nn.Linear with 4-bit weights (0.5 byte each) and a (scale, min) per group of inputs.
+
+    The weights are stored once, in the layout of the kernel that will read them: the CPU or CUDA
+    int4pack layout when the device and activation dtype have one, else plain nibble rows read by
+    the dequantize-then-linear reference (`use_kernel=False` forces it; tests compare the two).
+    `codes=(q, scales, mins)` takes precomputed codes (GGUF Q4_1 blocks) instead of quantizing
+    `linear.weight`; `linear` then only supplies shape, bias, dtype and device.
+    """
+
+    def __init__(self, linear: nn.Linear, group_size: int = 64, use_kernel: bool = True,
+                 codes: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+        super().__init__()
+        check_group_size(group_size, linear.in_features)
+        weight = linear.weight
+        q, scales, mins = codes if codes is not None else quantize_groups_int4(weight.detach(), group_size)
+        q, scales, mins = q.to(weight.device), scales.to(weight.device, weight.dtype), mins.to(weight.device, weight.dtype)
+        self.in_features, self.out_features, self.group_size = linear.in_features, linear.out_features, group_size
+        self.layout = int4_layout(weight.device, weight.dtype, self.out_features, self.in_features) if use_kernel else "rows"
+        if self.layout == "rows":
+            self.register_buffer("weight", pack_nibbles(q))  # (N, K/2)
+            self.register_buffer("scales", scales)  # (N, G)
+            self.register_buffer("mins", mins)
+        else:
+            self.register_buffer("weight", to_int4pack(q, self.layout))
+            self.register_buffer("scales_and_zeros", int4pack_scales_and_zeros(scales, mins))  # (G, N, 2)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def dequantize(self) -> Tensor:
+        """The fp32 weights (N, K) the reference layout holds."""
+        if self.layout != "rows":
+            raise QuantizationError(f"weights in the {self.layout} int4pack layout are opaque; build with use_kernel=False")
+        return dequantize_groups_int4(unpack_nibbles(self.weight), self.scales, self.mins)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.layout == "rows":
+            return F.linear(x, self.dequantize().to(x.dtype), self.bias)
+        if x.device.type != self.layout:
+            raise QuantizationError(f"int4 weights packed for {self.layout} cannot run on {x.device}; "
+                                    f"quantize on the device the model runs on")
+        y = int4_mm(x.reshape(-1, self.in_features), self.weight, self.group_size, self.scales_and_zeros, self.layout)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, layout={self.layout}")

@@ -1,0 +1,62 @@
+"""INT8 weight-only quantization: symmetric absmax per output channel, read as int8 by the matmul."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from inferlab.quant.kernels import int8_kernel_fits, int8_mm
+
+
+def quantize_rows_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """weight (N, K) -> int8 codes (N, K) and fp32 scales (N,), s_i = max_j |W_ij| / 127."""
+    w = weight.float()
+    scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+class Int8Linear(nn.Module):
+    """Drop-in for nn.Linear holding int8 weights (N, K) and one scale per output row, in the activation dtype.
+
+    `use_kernel=False` keeps the plain dequantize-then-linear path: the reference the kernel is tested against.
+    """
+
+    def __init__(self, linear: nn.Linear, use_kernel: bool = True) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        codes, scales = quantize_rows_int8(weight)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.use_kernel = use_kernel
+        self.register_buffer("weight", codes)
+        self.register_buffer("scales", scales.to(weight.dtype))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def dequantize(self) -> Tensor:
+        return self.weight.float() * self.scales.float()[:, None]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.use_kernel and int8_kernel_fits(x.device, x.dtype):
+            y = int8_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.dequantize().to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.use_kernel}"
+
+
+class Int8Embedding(nn.Module):
+    """Token embeddings looked up in a tied LM head's int8 rows, so embedding and head share one int8 matrix.
+
+    The head is registered as a submodule (like tied parameters, it moves with either owner).
+    """
+
+    def __init__(self, head: Int8Linear) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        # tokens: (B, T) -> (B, T, dim) in the scales' (activation) dtype
+        scales = self.head.scales
+        return self.head.weight[tokens].to(scales.dtype) * scales[tokens].unsqueeze(-1)
