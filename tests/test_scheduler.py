@@ -1,0 +1,218 @@
+"""Continuous batching: the allocator never leaks or over-admits, preemption recomputes exactly, submit() streams."""
+import asyncio
+import time
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings, strategies as st
+
+from inferlab.engine.block_manager import BlockManager
+from inferlab.engine.engine import GenerationRequest, InferenceEngine
+from inferlab.engine.prefix_cache import PrefixCache
+from inferlab.engine.sampling import SamplingParams
+from inferlab.engine.scheduler import Scheduler, SchedulerConfig
+from inferlab.engine.sequence import Request
+from inferlab.errors import CapacityError, OverloadedError
+
+from conftest import tiny_engine
+
+PREFIXES = [[1, 2, 3, 4, 5, 6], [9, 9, 9, 9], []]
+
+
+def next_token(token_ids: list[int]) -> int:
+    """The fake model: a deterministic function of the whole history, so recomputation must reproduce it."""
+    return (sum(t * (i + 1) for i, t in enumerate(token_ids)) % 50) + 1
+
+
+def expected_output(prompt: list[int], max_new: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_new):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]
+
+
+def fake_request(i: int, prompt: list[int], max_new: int, priority: int = 0) -> Request:
+    return Request(i, prompt, SamplingParams(max_new_tokens=max_new), max_new, text=None, eos_ids=set(),
+                   emit=lambda event: None, priority=priority)
+
+
+def fake_step(scheduler: Scheduler) -> None:
+    """What the engine's step does with the model replaced by `next_token`."""
+    batch = scheduler.schedule()
+    check_invariants(scheduler)
+    blocks = scheduler.blocks
+    for request, n in batch.prefills + [(r, 1) for r in batch.decodes]:
+        assert len(request.kv.blocks) * blocks.block_size >= request.kv.num_computed + n  # room for what it writes
+        blocks.advance(request.kv, request.token_ids, n)
+        if request.num_uncomputed == 0:
+            request.output_ids.append(next_token(request.token_ids))
+            if len(request.output_ids) == request.max_new_tokens:
+                request.finish_reason = "length"
+                scheduler.finish(request)
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    blocks = scheduler.blocks
+    held = [b for r in scheduler.running for b in r.kv.blocks]
+    assert all(not r.kv.blocks for r in scheduler.waiting)
+    for block in range(blocks.num_blocks):
+        assert blocks.ref_counts[block] == held.count(block)
+    free, parked = set(blocks.free_ids), set(blocks.prefix.lru if blocks.prefix else ())
+    assert len(free) == len(blocks.free_ids) and not free & parked and not free & set(held)
+    assert not parked & set(held)
+    assert len(set(held)) + len(free) + len(parked) == blocks.num_blocks  # every block is somewhere, once
+    assert len(scheduler.running) <= scheduler.config.max_running
+    for request in scheduler.running:
+        assert len(request.kv.blocks) >= blocks.blocks_for(request.kv.num_computed)
+
+
+operations = st.lists(st.one_of(
+    st.tuples(st.just("arrive"), st.integers(0, 2), st.integers(1, 4), st.integers(2, 16), st.integers(0, 1)),
+    st.tuples(st.just("cancel"), st.integers(0, 30)),
+    st.tuples(st.just("step"), st.integers(1, 3)),
+), min_size=4, max_size=40)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=operations, num_blocks=st.integers(6, 14), block_size=st.integers(2, 3), prefix=st.booleans(),
+       max_running=st.integers(1, 6), chunk=st.integers(1, 16))
+def test_allocator_never_leaks_never_over_admits_and_preemption_recomputes_exactly(
+        ops, num_blocks, block_size, prefix, max_running, chunk):
+    blocks = BlockManager(num_blocks, block_size, block_bytes=1, prefix_cache=PrefixCache() if prefix else None)
+    scheduler = Scheduler(blocks, SchedulerConfig(max_running=max_running, max_waiting=6, prefill_chunk=chunk))
+    requests: list[Request] = []
+    for op in ops:
+        if op[0] == "arrive":
+            _, which, suffix, max_new, priority = op
+            prompt = PREFIXES[which] + [(len(requests) * 7 + j) % 40 + 10 for j in range(suffix)]
+            request = fake_request(len(requests), prompt, max_new, priority)
+            try:
+                scheduler.add(request)
+            except CapacityError:  # the whole pool could never hold it: refused before anything runs
+                assert blocks.blocks_for(len(prompt) + max_new) > num_blocks
+                continue
+            except OverloadedError:
+                assert len(scheduler.waiting) == 6
+                continue
+            requests.append(request)
+        elif op[0] == "cancel" and requests:
+            scheduler.cancel(requests[op[1] % len(requests)])
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                fake_step(scheduler)
+    for _ in range(10_000):  # let everything still alive finish
+        if not scheduler.has_work():
+            break
+        fake_step(scheduler)
+    assert not scheduler.has_work()
+    event(f"preempted: {scheduler.preemptions > 0}")
+    assert blocks.num_free == num_blocks and not any(blocks.ref_counts)
+    for request in requests:
+        if request.finished:
+            assert request.output_ids == expected_output(request.prompt_ids, request.max_new_tokens)
+        else:
+            assert request.cancelled
+
+
+def test_waiting_requests_go_by_priority_then_arrival():
+    scheduler = Scheduler(BlockManager(4, 4, 1), SchedulerConfig(max_running=1, max_waiting=8, prefill_chunk=64))
+    low, high, high_later = fake_request(0, [1, 2], 2, 5), fake_request(1, [3, 4], 2, 0), fake_request(2, [5], 2, 0)
+    for request in (low, high, high_later):
+        scheduler.add(request)
+    order = []
+    while scheduler.has_work():
+        fake_step(scheduler)
+        order += [r.request_id for r in scheduler.running if r.request_id not in order]
+    assert order == [1, 2, 0]
+
+
+def paged_engine(tokenizer, kv_blocks: int, block_size: int = 8, prefix: bool = False, **scheduler) -> InferenceEngine:
+    engine = tiny_engine(tokenizer, "paged")
+    config = replace(engine.config, kv_blocks=kv_blocks, block_size=block_size, prefix_cache=prefix,
+                     scheduler=replace(engine.config.scheduler, **scheduler))
+    return InferenceEngine(engine.loaded, config)
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_preempted_requests_finish_with_the_unpreempted_greedy_output(tiny_tokenizer, prefix):
+    prompts = [list(range(10 + i, 22 + 2 * i)) for i in range(4)]
+    reference = tiny_engine(tiny_tokenizer, "contiguous", slots=1)
+    expected = [reference.generate(p, max_new_tokens=24).token_ids for p in prompts]
+    engine = paged_engine(tiny_tokenizer, kv_blocks=7, prefix=prefix)  # 56 tokens; each request needs up to 42
+    completions = engine.generate_batch(prompts, max_new_tokens=24)
+    assert engine.stats()["preemptions"] > 0
+    assert [c.token_ids for c in completions] == expected
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_a_request_larger_than_the_pool_is_refused_at_once(tiny_tokenizer):
+    engine = paged_engine(tiny_tokenizer, kv_blocks=4)  # 32 tokens
+
+    async def submit():
+        engine.submit(GenerationRequest(list(range(20)), SamplingParams(max_new_tokens=20)))
+
+    with pytest.raises(CapacityError, match=r"40 tokens .* whole pool holds 32 tokens"):
+        asyncio.run(submit())
+    assert engine.stats()["requests_waiting"] == 0
+
+
+async def collect(events) -> list[int]:
+    return [e.token_id async for e in events if e.token_id is not None]
+
+
+def test_a_full_wait_queue_refuses_new_requests_and_loses_nothing_running(tiny_tokenizer):
+    engine = paged_engine(tiny_tokenizer, kv_blocks=32, max_waiting=2)
+    params = SamplingParams(max_new_tokens=6)
+    prompts = [list(range(5, 15)), list(range(20, 27))]
+
+    async def main():
+        with engine._lock:  # the loop cannot step: everything submitted now waits
+            streams = [engine.submit(GenerationRequest(p, params)) for p in prompts]
+            with pytest.raises(OverloadedError):
+                engine.submit(GenerationRequest([1, 2, 3], params))
+            assert engine.stats()["requests_waiting"] == 2
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    reference = tiny_engine(tiny_tokenizer, "contiguous", slots=1)
+    assert asyncio.run(main()) == [reference.generate(p, max_new_tokens=6).token_ids for p in prompts]
+
+
+def test_closing_the_stream_cancels_and_frees_blocks_while_others_continue(tiny_tokenizer):
+    engine = paged_engine(tiny_tokenizer, kv_blocks=32)
+    reference = tiny_engine(tiny_tokenizer, "contiguous", slots=1)
+    survivor_prompt = list(range(50, 70))
+
+    async def main():
+        leaver = engine.submit(GenerationRequest(list(range(5, 40)), SamplingParams(max_new_tokens=200)))
+        survivor = asyncio.ensure_future(collect(engine.submit(GenerationRequest(survivor_prompt,
+                                                                                 SamplingParams(max_new_tokens=30)))))
+        seen = [await leaver.__anext__() for _ in range(3)]
+        await leaver.aclose()  # the client went away
+        tokens = await survivor
+        deadline = time.monotonic() + 10
+        while engine.stats()["kv_blocks_used"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return seen, tokens
+
+    seen, tokens = asyncio.run(main())
+    assert seen[0].ttft_ms is not None and [e.index for e in seen] == [0, 1, 2]
+    assert tokens == reference.generate(survivor_prompt, max_new_tokens=30).token_ids
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["requests_running"] == stats["requests_waiting"] == 0
+
+
+def test_per_request_sampling_params_in_one_batch(tiny_tokenizer):
+    engine = paged_engine(tiny_tokenizer, kv_blocks=64)
+    reference = tiny_engine(tiny_tokenizer, "contiguous", slots=1)
+    cases = [(list(range(5, 25)), dict(temperature=0.0)),
+             (list(range(30, 41)), dict(temperature=0.9, seed=7)),
+             (list(range(60, 90)), dict(temperature=1.2, top_k=5, seed=3)),
+             (list(range(90, 99)), dict(temperature=0.7, top_p=0.8, seed=11))]
+
+    async def main():
+        streams = [engine.submit(GenerationRequest(p, engine.sampling_params(max_new_tokens=16, **kw)))
+                   for p, kw in cases]
+        return await asyncio.gather(*(collect(s) for s in streams))  # all four decode in the same batches
+
+    outputs = asyncio.run(main())
+    assert outputs == [reference.generate(p, max_new_tokens=16, **kw).token_ids for p, kw in cases]
