@@ -99,7 +99,7 @@ def expand_sweep(args: list[str]) -> list[str] | None:
     fixed = [f"{k}={_yaml_value(v)}" for k, v in {"study": spec["study"], **spec.get("fixed", {})}.items() if k not in taken]
     params = {k: [s.strip() for s in str(_yaml_value(v)).split(",")] for k, v in spec.get("params", {}).items()
               if k not in taken}
-    base = [*fixed, *(a for a in user if not a.startswith(("-", "hydra."))), f"sweep={name}"]
+    base = [*fixed, *(first_value(a) for a in user if not a.startswith(("-", "hydra."))), f"sweep={name}"]
     available, missing = split_available(params, base)
     if missing:
         record_unavailable(name, spec["study"], missing, base)
@@ -139,6 +139,12 @@ def record_unavailable(sweep: str, study: str, missing: list[tuple[str, str, str
                   "overrides": [f"{key}={value}"], "choices": {}, "config": {}, "env": env, "rows": []}
         write_result(root / "multirun" / sweep / "unavailable" / f"{key}={value}", result)
         print(f"[unavailable] {study} {key}={value}: {reason}", file=sys.stderr)
+
+
+def first_value(arg: str) -> str:
+    """`key=a,b` (a sweep) -> `key=a`, so one representative config can be composed."""
+    key, _, value = arg.partition("=")
+    return arg if value.startswith(("[", "{", "'", '"')) else f"{key}={value.split(',')[0]}"
 
 
 def _yaml_value(value: Any) -> Any:

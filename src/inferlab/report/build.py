@@ -105,7 +105,7 @@ def _table(frame: pd.DataFrame, layout: dict[str, Any]) -> pd.DataFrame:
 
 
 def _markdown(table: pd.DataFrame) -> str:
-    return _format(table).to_markdown(index=False, tablefmt="github")
+    return _format(table).to_markdown(index=False, tablefmt="github", disable_numparse=True)
 
 
 def _format(table: pd.DataFrame) -> pd.DataFrame:

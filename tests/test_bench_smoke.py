@@ -1,0 +1,54 @@
+"""End to end: a size=smoke multirun over two values of two groups writes one result.json per job, and
+inferlab-report turns them into the CSV and the report; a job that cannot run records why."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from inferlab.report.build import build
+
+BIN = Path(sys.executable).parent
+
+
+def bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    return subprocess.run([str(BIN / "inferlab-bench"), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_smoke_multirun_then_report(tmp_path: Path):
+    run = bench("-m", "sweep=kv_speedup", "size=smoke", "precision=fp32,bf16", f"results_root={tmp_path}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.rglob("result.json"))]
+    assert len(results) == 4
+    assert {(r["choices"]["cache"], r["choices"]["precision"]) for r in results} == \
+        {("none", "fp32"), ("none", "bf16"), ("contiguous", "fp32"), ("contiguous", "bf16")}
+    for r in results:
+        assert r["status"] == "ok", r["error"]
+        assert r["env"]["torch_version"] and r["env"]["cpu_model"] and r["env"]["timestamp"]
+        assert r["config"]["model"]["name"] == "tiny-random" and r["sweep"] == "kv_speedup"
+        assert [row["context_len"] for row in r["rows"]] == r["config"]["measure"]["context_lens"]
+        assert all(row["decode_tok_s"] > 0 for row in r["rows"])
+
+    report = build(tmp_path, tmp_path / "report", tmp_path / "REPORT.md")
+    frame = pd.read_csv(tmp_path / "report" / "results.csv")
+    assert len(frame) == 4 * 2 and (frame.status == "ok").all()
+    text = report.read_text()
+    for value in frame.decode_tok_s:  # every measured number reaches the report, as formatted from the CSV
+        assert any(f"{value:{fmt}}" in text for fmt in (".0f", ".1f", ".2f", ".3g"))
+    assert "speedup (contiguous / none)" in text and (tmp_path / "report" / "kv_speedup.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_study_that_cannot_run_records_why(tmp_path: Path):
+    run = bench("study=peers", "size=smoke", f"results_root={tmp_path}")  # peers needs GGUF weights
+    assert run.returncode == 0, run.stderr[-2000:]
+    (path,) = tmp_path.rglob("result.json")
+    result = json.loads(path.read_text())
+    assert result["status"] == "unavailable" and "GGUF" in result["error"] and result["rows"] == []

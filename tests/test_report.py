@@ -1,0 +1,82 @@
+"""inferlab-report on a fixture of result.json files: CSV, charts, sections, newest-wins, and the notebook."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+import pytest
+from nbclient import NotebookClient
+
+from inferlab.report.build import build
+from inferlab.report.collect import collect
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
+
+
+def write(root: Path, name: str, study: str, overrides: list[str], rows: list[dict], status: str = "ok",
+          error: str | None = None, timestamp: str = "2026-01-01T00:00:00+00:00") -> None:
+    choices = {"model": "tiny-random", "precision": "fp32", "cache": "contiguous", "spec": "off", "target": "engine",
+               "load": "shakespeare", "device": "auto"}
+    choices.update(dict(o.split("=", 1) for o in overrides if o.split("=")[0] in choices))
+    result = {"study": study, "sweep": study, "status": status, "error": error, "seconds": 1.0,
+              "overrides": overrides, "choices": choices, "config": {"measure": {"size": "smoke"}},
+              "env": {"timestamp": timestamp, "cpu_model": "Test CPU", "torch_threads": 2, "git_commit": "abc"},
+              "rows": rows}
+    (root / name).mkdir(parents=True)
+    (root / name / "result.json").write_text(json.dumps(result))
+
+
+@pytest.fixture
+def outputs(tmp_path: Path) -> Path:
+    root = tmp_path / "outputs"
+    write(root, "kv/0", "kv_speedup", ["cache=none"], [{"context_len": 4, "decode_tok_s": 2.0},
+                                                       {"context_len": 8, "decode_tok_s": 1.0}])
+    write(root, "kv/1", "kv_speedup", ["cache=contiguous"], [{"context_len": 4, "decode_tok_s": 9.0},
+                                                             {"context_len": 8, "decode_tok_s": 8.5}])
+    write(root, "kv/old", "kv_speedup", ["cache=contiguous"], [{"context_len": 4, "decode_tok_s": 99.0}],
+          timestamp="2025-01-01T00:00:00+00:00")  # superseded by kv/1
+    write(root, "peers/0", "peers", ["precision=fp32"], [
+        {"engine": "inferlab", "decode_tok_s": 50.0, "pct_roofline": 40.0, "note": "x"},
+        {"engine": "transformers", "decode_tok_s": 25.0, "pct_roofline": 20.0, "note": "y"}])
+    write(root, "quant/int8", "quant_tradeoff", ["precision=int8"], [], status="unavailable",
+          error="precision=int8 is not available yet")
+    write(root, "batch/0", "batching", ["load.concurrency=4"], [], status="error", error="RuntimeError: boom")
+    return root
+
+
+def test_report_is_built_from_the_csv(outputs: Path, tmp_path: Path):
+    report_dir, report_file = tmp_path / "outputs" / "report", tmp_path / "REPORT.md"
+    build(outputs, report_dir, report_file)
+    frame = pd.read_csv(report_dir / "results.csv")
+    assert 99.0 not in frame.decode_tok_s.tolist()  # the older duplicate job is dropped
+    assert set(frame.study) == {"kv_speedup", "peers", "quant_tradeoff", "batching"}
+    text = report_file.read_text()
+    kv = text.split("## KV-cache speedup")[1].split("\n## ")[0]
+    assert "| 4 " in kv and "| 4.50 " in kv and "| 8.50 " in kv  # 9 / 2 = 4.5 speedup at 4 tokens, 8.5 / 1 at 8
+    assert "![KV-cache speedup vs context length](outputs/report/kv_speedup.png)" in kv
+    assert (report_dir / "kv_speedup.png").stat().st_size > 0 and (report_dir / "peers.png").is_file()
+    assert "| fp32 " in text and "transformers" in text and "Test CPU" in text
+    quant = text.split("## Precision vs memory")[1].split("\n## ")[0]
+    assert "Not available yet" in quant and "precision=int8 is not available yet" in quant
+    assert "RuntimeError: boom" in text.split("## Batching")[1].split("\n## ")[0]
+    assert "Not run yet: `inferlab-bench -m sweep=spec_decode`" in text
+    assert "inferlab-bench -m sweep=kv_speedup size=smoke" in text
+
+
+def test_collect_keeps_one_line_per_row_and_jobs_without_rows(outputs: Path):
+    frame = collect(outputs)
+    assert len(frame[frame.study == "kv_speedup"]) == 4 and len(frame[frame.study == "peers"]) == 2
+    assert frame[frame.study == "quant_tradeoff"].precision.tolist() == ["int8"]
+
+
+def test_notebook_runs_on_the_fixture(outputs: Path, monkeypatch):
+    monkeypatch.setenv("INFERLAB_OUTPUTS", str(outputs))
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(notebook, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    images = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert len(images) == 2  # kv_speedup and peers have charts and rows
