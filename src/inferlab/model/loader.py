@@ -6,6 +6,7 @@ the weights exist once in memory. Checkpoint q/k/v and gate/up rows are concaten
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -141,10 +142,16 @@ def read_gguf_fields(path: Path) -> dict[str, Any]:
 
 
 def _open_gguf(path: Path):
-    from gguf import GGUFReader
-
+    """The parsed file, memory-mapped; parsing the vocabulary takes seconds, so a process does it once."""
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
+    return _parse_gguf(path.resolve(), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _parse_gguf(path: Path, mtime_ns: int):
+    from gguf import GGUFReader
+
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelLoadError(f"{path} is not a GGUF file (bad magic)")
