@@ -51,7 +51,11 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
 
     Also what speculative decoding compares draft and target against, so both share one definition.
     """
-    logits = logits.float() / params.temperature
+    # shift first and keep T a normal fp32 number: a tiny temperature (say 1e-300) must sharpen towards
+    # greedy, not overflow x / T to inf (or underflow T to 0) and turn the softmax into nan
+    logits = logits.float()
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
