@@ -159,6 +159,13 @@ def test_openai_stream_with_usage(engine, chat):
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 5 + [reference.finish_reason]
 
 
+def test_tiny_temperature_samples_like_greedy(engine):
+    """Found by the fuzz: temperature 5e-324 once turned the softmax into nan (a 500)."""
+    reference = engine.generate(PROMPT, max_new_tokens=6)
+    r = client_for(engine).post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 5e-324})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference.text
+
+
 # ---- guardrails ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("route,body", [

@@ -65,7 +65,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
             ttft_ms=t.ttft_ms, tpot_ms=t.tpot_ms, tokens_per_sec=t.tokens_per_sec, total_ms=t.total_ms)
 
     @app.post("/v1/generate/stream", dependencies=[Depends(guards.admit)], response_class=EventStreamResponse,
-              responses={200: {"content": {"text/event-stream": {}}}, **ERRORS})
+              status_code=200, responses={200: {"content": {"text/event-stream": {}}}, **ERRORS})
     async def generate_stream(body: GenerateRequest, request: Request) -> EventStreamResponse:
         job = await dispatcher.start(request.state.record, body.sampling_overrides(), body.max_new_tokens,
                                      body.prompt, body.chat)
