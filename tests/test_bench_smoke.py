@@ -52,3 +52,17 @@ def test_a_study_that_cannot_run_records_why(tmp_path: Path):
     (path,) = tmp_path.rglob("result.json")
     result = json.loads(path.read_text())
     assert result["status"] == "unavailable" and "GGUF" in result["error"] and result["rows"] == []
+
+
+@pytest.mark.slow
+def test_server_target_starts_drives_and_stops_a_real_server(tmp_path: Path):
+    run = bench("study=server_latency", "target=server", "size=smoke", "load.concurrency=2", f"results_root={tmp_path}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (path,) = tmp_path.rglob("result.json")
+    result = json.loads(path.read_text())
+    assert result["status"] == "ok", result["error"]
+    (row,) = result["rows"]
+    assert row["completed"] == result["config"]["load"]["num_requests"] and row["failed"] == 0
+    assert row["p50_ttft_ms"] > 0 and row["total_output_tokens"] > 0
+    log = (path.parent / "server.log").read_text()
+    assert "Finished server process" in log  # stopped cleanly when the job ended

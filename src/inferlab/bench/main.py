@@ -8,6 +8,7 @@ aborting the multirun. Every job catches its own failure and records it, so one 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -44,6 +45,7 @@ def main() -> None:
 
 @hydra_app("bench")
 def bench_job(cfg: DictConfig) -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the progress bars
     result = run_job(cfg)
     where = Path(HydraConfig.get().runtime.output_dir) / RESULT_FILE
     detail = f": {result['error']}" if result["error"] else f" ({len(result['rows'])} rows, {result['seconds']:.1f} s)"
