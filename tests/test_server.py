@@ -210,6 +210,16 @@ def test_rate_limit_is_429_with_retry_after(engine):
     assert_envelope(r, 429, "rate_limited")
     assert 1 <= int(r.headers["retry-after"]) <= 60
     assert client.get("/v1/metrics").status_code == 200  # only generation routes are limited
+    made_up = {"Authorization": "Bearer another-token"}  # no keys configured: the bucket is the address
+    assert_envelope(client.post("/v1/generate", json={"prompt": PROMPT}, headers=made_up), 429, "rate_limited")
+
+
+def test_rate_limit_buckets_are_per_api_key(engine):
+    client = client_for(engine, rate_limit="1/minute", api_keys=["a", "b"])
+    body = {"prompt": PROMPT, "max_new_tokens": 1}
+    for key in ("a", "b"):
+        assert client.post("/v1/generate", json=body, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    assert_envelope(client.post("/v1/generate", json=body, headers={"Authorization": "Bearer a"}), 429, "rate_limited")
 
 
 def test_api_key_is_required_when_configured(engine):

@@ -84,9 +84,10 @@ class Guards:
         self.draining = False  # set when shutdown starts: refuse new work, let running streams finish
 
     def authorize(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str | None:
-        """The caller's key (None when no keys are configured); 401 when it is missing or wrong."""
+        """The caller's key; None when no keys are configured (then a made-up token must not buy a fresh
+        rate-limit bucket); 401 when it is missing or wrong."""
         if not self.keys:
-            return credentials.credentials if credentials else None
+            return None
         given = credentials.credentials.encode() if credentials else b""
         if not any(hmac.compare_digest(given, key) for key in self.keys):
             raise UnauthorizedError("missing or wrong API key: send `Authorization: Bearer <key>`")

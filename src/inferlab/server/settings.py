@@ -34,7 +34,8 @@ class ServerSettings:
         try:
             parse(self.rate_limit)
         except ValueError as e:
-            raise InvalidRequestError(f"server.rate_limit {self.rate_limit!r} is not a limits string like '120/minute'") from e
+            raise InvalidRequestError(
+                f"server.rate_limit {self.rate_limit!r} is not a limits string like '120/minute'") from e
 
     @classmethod
     def from_config(cls, server: Any, **overrides: Any) -> "ServerSettings":
