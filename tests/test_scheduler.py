@@ -216,3 +216,27 @@ def test_per_request_sampling_params_in_one_batch(tiny_tokenizer):
 
     outputs = asyncio.run(main())
     assert outputs == [reference.generate(p, max_new_tokens=16, **kw).token_ids for p, kw in cases]
+
+
+def test_a_long_prompt_is_chunked_and_never_stalls_running_decodes():
+    scheduler = Scheduler(BlockManager(64, 4, 1), SchedulerConfig(max_running=4, max_waiting=8, prefill_chunk=5))
+    short = fake_request(0, [1, 2, 3], 30)
+    scheduler.add(short)
+    fake_step(scheduler)  # its prompt, then it decodes
+    scheduler.add(fake_request(1, list(range(10, 33)), 4))  # 23 prompt tokens
+    for _ in range(5):  # ceil(23 / 5) steps of prefill, each beside the short request's decode
+        batch = scheduler.schedule()
+        assert batch.decodes == [short] and sum(n for _, n in batch.prefills) <= 5
+        for request, n in batch.prefills + [(short, 1)]:
+            scheduler.blocks.advance(request.kv, request.token_ids, n)
+            if request.num_uncomputed == 0:
+                request.output_ids.append(next_token(request.token_ids))
+    assert scheduler.running[1].kv.num_computed == 23 and len(scheduler.running[1].output_ids) == 1
+
+
+def test_chunked_prefill_through_the_engine_gives_single_request_tokens(tiny_tokenizer):
+    prompts = [list(range(5, 45)), list(range(50, 61)), list(range(70, 103))]
+    engine = paged_engine(tiny_tokenizer, kv_blocks=64, prefill_chunk=7)
+    reference = tiny_engine(tiny_tokenizer, "contiguous", slots=1)
+    assert [c.token_ids for c in engine.generate_batch(prompts, max_new_tokens=10)] == \
+        [reference.generate(p, max_new_tokens=10).token_ids for p in prompts]
