@@ -13,6 +13,7 @@ from inferlab.engine.kernels import select_kernels
 from inferlab.engine.paged import blocks_for_budget
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
+from inferlab.engine.speculative import build_speculation
 from inferlab.errors import InvalidRequestError, ModelLoadError
 from inferlab.model.loader import load_model
 from inferlab.quant import quantize_model
@@ -71,7 +72,9 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
                           max_seq_len=loaded.config.max_seq_len, slots=cfg.cache.slots, defaults=defaults,
                           block_size=cfg.cache.block_size, kv_blocks=kv_blocks, prefix_cache=cfg.cache.prefix,
                           scheduler=SchedulerConfig(**cfg.scheduler))
-    return InferenceEngine(loaded, config)
+    speculation = build_speculation(OmegaConf.to_container(cfg.spec, resolve=True), cfg.model.name, loaded.model,
+                                    dtype, device)
+    return InferenceEngine(loaded, config, speculation)
 
 
 def _override_value(value: Any) -> str:

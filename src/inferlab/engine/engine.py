@@ -29,6 +29,7 @@ from inferlab.engine.prefix_cache import PrefixCache
 from inferlab.engine.sampling import SamplingParams, sample
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent, Timings
+from inferlab.engine.speculative import Speculation, stream_events
 from inferlab.engine.stop import TextStream
 from inferlab.errors import CapacityError, InvalidRequestError
 from inferlab.model.loader import LoadedModel
@@ -154,8 +155,9 @@ class PagedSequence(Sequence):
 
 
 class InferenceEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, speculation: Speculation | None = None) -> None:
         self.loaded, self.config = loaded, config
+        self.speculation = speculation  # spec=ngram|draft: requests run one at a time, drafted and verified
         self.model: Transformer = loaded.model
         self.tokenizer = loaded.tokenizer
         self.kv_cache: KVCache | None = None
@@ -247,6 +249,9 @@ class InferenceEngine:
 
     def iter_events(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         """Generate token by token; the last event closes the request with its finish reason and timings."""
+        if self.speculation is not None:
+            yield from self._iter_speculative(prompt_ids, params)
+            return
         start = time.perf_counter()
         max_new = min(params.max_new_tokens, self.config.max_seq_len - len(prompt_ids))
         with self._lock:
@@ -281,6 +286,19 @@ class InferenceEngine:
                 self._single_running -= 1
         timings = Timings.measure(start, first, time.perf_counter(), len(prompt_ids), len(token_ids))
         yield StreamEvent(len(token_ids), text.flush(), finish_reason=finish, timings=timings)
+
+    def _iter_speculative(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
+        """A drafter proposes, the target verifies K+1 positions per forward (engine/speculative.py)."""
+        self.check_prompt(prompt_ids)
+        request = self._new_request(prompt_ids, params, emit=lambda item: None)  # events are yielded, not emitted
+        session = self.speculation.start(self.model, prompt_ids, params, request.max_new_tokens, request.generator)
+        with self._lock:
+            self._single_running += 1
+        try:
+            yield from stream_events(session, request, self._lock)
+        finally:
+            with self._lock:
+                self._single_running -= 1
 
     def generate(self, prompt: str | list[int], max_new_tokens: int | None = None, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
@@ -392,9 +410,10 @@ class InferenceEngine:
 
         Bad input (InvalidRequestError), a request the whole KV pool could never hold (CapacityError)
         and a full wait queue (OverloadedError) raise here, before any tensor work. Call it from the
-        event loop. With cache=none requests run one at a time, recomputed (the baseline).
+        event loop. With cache=none requests run one at a time, recomputed (the baseline); with spec on,
+        one at a time, drafted and verified.
         """
-        if self.scheduler is None:
+        if self.scheduler is None or self.speculation is not None:
             return self.stream_generate(request)
         prompt_ids = self.encode_prompt(request.prompt, request.chat, request.messages)
         self.check_prompt(prompt_ids)

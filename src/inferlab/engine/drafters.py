@@ -1,0 +1,187 @@
+"""Drafters: cheap proposers of the next K tokens that speculative decoding verifies with the target.
+
+Two kinds behind one interface: a small draft model sharing the target's vocabulary (its own KV cache,
+rolled back by resetting a length), and n-gram prompt lookup (no model: copy what followed the latest
+earlier occurrence of the context's last n tokens). A `Drafter` holds what requests share (weights);
+`start()` gives one sequence's `DraftState`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from inferlab.engine.kv_cache import CachedAttend, KVCache
+from inferlab.engine.sampling import SamplingParams, probabilities
+from inferlab.errors import ModelLoadError
+from inferlab.model.transformer import Transformer
+
+
+class ModelRunner:
+    """One sequence's forward passes over a single-slot KV cache. Rollback = lowering `length`.
+
+    Entries past `length` are stale and get overwritten by the next forward; nothing is copied.
+    """
+
+    def __init__(self, model: Transformer, capacity: int) -> None:
+        self.model = model
+        self.device = model.rope_cos.device
+        if capacity > model.config.max_seq_len:
+            raise ValueError(f"sequence of {capacity} tokens exceeds the model's context {model.config.max_seq_len}")
+        self.cache = KVCache(model.config, 1, capacity, model.rope_cos.dtype, self.device)
+        self.length = 0  # tokens whose KV is valid
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int], last_only: bool = False) -> Tensor:
+        """Append `token_ids` at `length`; logits (T, vocab), or (1, vocab) with `last_only`."""
+        n = len(token_ids)
+        tokens = torch.tensor([token_ids], device=self.device)
+        positions = torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
+        logits = self.model(tokens, positions, CachedAttend(self.cache, self.length, n), last_only=last_only)
+        self.length += n
+        return logits[0]
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]  # up to k draft tokens
+    probs: Tensor | None  # (len(tokens), vocab) the distributions they were drawn from; None = deterministic
+
+
+class DraftState(ABC):
+    """One sequence's drafter. `calls` counts model forwards (0 for model-free drafters)."""
+
+    calls: int = 0
+
+    @abstractmethod
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        """Up to `k` tokens continuing `context` (prompt + generated so far)."""
+
+    def rollback(self, length: int) -> None:
+        """`context[:length]` is confirmed; forget anything cached beyond it."""
+
+
+class Drafter(ABC):
+    name: str
+
+    @abstractmethod
+    def start(self, capacity: int) -> DraftState:
+        """State for a new sequence of at most `capacity` tokens."""
+
+
+# ---- n-gram prompt lookup ------------------------------------------------------------------------
+
+@dataclass
+class NgramDrafter(Drafter, DraftState):
+    """Propose the continuation of the latest earlier match of the context's last n tokens (n from max to min).
+
+    Deterministic, so its proposals are point masses: the target accepts token d with probability p(d).
+    """
+
+    max_n: int = 3
+    min_n: int = 1
+    name: str = "ngram"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {self.min_n}..{self.max_n}")
+
+    def start(self, capacity: int) -> DraftState:
+        return self  # stateless
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        return Proposal(lookup_continuation(context, k, self.min_n, self.max_n), None)
+
+
+def lookup_continuation(context: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """What followed the latest earlier occurrence of the longest matching suffix (at most k tokens)."""
+    if k < 1:
+        return []
+    for n in range(min(max_n, len(context) - 1), min_n - 1, -1):
+        suffix = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):  # latest match first, never the suffix itself
+            if context[start + n - 1] == suffix[-1] and context[start:start + n] == suffix:
+                return context[start + n:start + n + k]
+    return []
+
+
+# ---- draft model ---------------------------------------------------------------------------------
+
+@dataclass
+class ModelDrafter(Drafter):
+    model: Transformer
+    name: str = "draft"
+
+    def start(self, capacity: int) -> DraftState:
+        return ModelDraftState(ModelRunner(self.model, capacity))
+
+
+@dataclass
+class ModelDraftState(DraftState):
+    runner: ModelRunner
+    calls: int = field(default=0)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        tokens: list[int] = []
+        dists: list[Tensor] = []
+        pending = context[self.runner.length:]  # what the draft has not seen yet (after a rollback: >= 1)
+        for _ in range(k):
+            logits = self.runner.forward(pending, last_only=True)[-1]  # (vocab,)
+            self.calls += 1
+            if params.greedy:
+                token = int(torch.argmax(logits))
+            else:
+                q = probabilities(logits, params)
+                token = int(torch.multinomial(q, 1, generator=generator))
+                dists.append(q)
+            tokens.append(token)
+            pending = [token]
+        return Proposal(tokens, torch.stack(dists) if dists else None)
+
+    def rollback(self, length: int) -> None:
+        self.runner.length = min(self.runner.length, length)
+
+
+# ---- from config ---------------------------------------------------------------------------------
+
+def build_drafter(spec: dict[str, Any], model_name: str, target: Transformer, dtype: torch.dtype,
+                  device: torch.device) -> Drafter | None:
+    """The resolved `spec` config group -> a Drafter (None for spec=off)."""
+    name = spec["name"]
+    if name == "off":
+        return None
+    if name == "ngram":
+        return NgramDrafter(max_n=int(spec["ngram_max"]), min_n=int(spec["ngram_min"]))
+    if name == "draft":
+        path = Path(str(spec["draft_model"])).expanduser() if spec.get("draft_model") else default_draft_dir(model_name)
+        return ModelDrafter(load_draft_model(path, target, dtype, device, build_hint=str(spec["build"])))
+    raise ModelLoadError(f"unknown spec {name!r}: use spec=off, spec=ngram or spec=draft")
+
+
+def default_draft_dir(model_name: str) -> Path:
+    """Where inferlab-train writes the draft for a model: beside the tokenized corpora, in the cache dir."""
+    from inferlab.train.corpus import cache_dir
+
+    return cache_dir() / "drafts" / model_name
+
+
+def load_draft_model(path: Path, target: Transformer, dtype: torch.dtype, device: torch.device,
+                     build_hint: str = "") -> Transformer:
+    """A draft checkpoint (HF directory, as inferlab-train writes them) that must share the target's vocabulary."""
+    from inferlab.model.loader import load_model
+
+    if not (path / "config.json").is_file():
+        hint = f"; build it with `{build_hint}`" if build_hint else ""
+        raise ModelLoadError(f"draft model not found at {path}{hint}")
+    draft = load_model({"path": str(path)}, dtype, device, target.config.max_seq_len).model
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ModelLoadError(f"draft model {path} has vocabulary {draft.config.vocab_size}, "
+                             f"the target {target.config.vocab_size}: they must share one tokenizer")
+    return draft

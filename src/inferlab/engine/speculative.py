@@ -1,0 +1,195 @@
+"""Lossless speculative decoding: a drafter proposes K tokens, the target checks them in one forward.
+
+Each round feeds the target everything it has not cached yet (the prompt on the first round, then the
+last sampled token) plus the K draft tokens: K+1 next-token distributions p from one forward. Draft
+token i is accepted with probability min(1, p_i/q_i); at the first rejection the round ends with a token
+drawn from the normalized residual max(0, p_i - q_i); if all K pass, a bonus token is drawn from p_K.
+This makes every emitted token distributed exactly as the target alone would sample it (Leviathan et
+al. 2023, Chen et al. 2023), and at temperature 0 reduces to "keep the draft while it equals the
+target's argmax". Both caches roll back by lowering a length; rejected entries are overwritten later.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+
+from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, ModelRunner, build_drafter
+from inferlab.engine.sampling import SamplingParams, probabilities
+from inferlab.engine.sequence import Request, StreamEvent
+from inferlab.model.transformer import Transformer
+
+
+@dataclass
+class SpecStats:
+    target_calls: int = 0  # target forwards (the first one is the prefill)
+    draft_calls: int = 0  # draft model forwards
+    proposed: int = 0  # draft tokens offered for verification
+    accepted: int = 0  # draft tokens the target kept
+    generated: int = 0  # tokens emitted (accepted + one per round), before stop/length truncation
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Draft tokens accepted per verification round (0..K); tokens per round is this + 1."""
+        return self.accepted / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def target_calls_per_token(self) -> float:
+        return self.target_calls / self.generated if self.generated else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length,
+                "target_calls_per_token": self.target_calls_per_token}
+
+
+@dataclass
+class SpecResult:
+    tokens: list[int]  # generated ids, without the end-of-sequence token
+    finish_reason: str  # "stop" (an eos id) | "length"
+    stats: SpecStats
+
+
+# ---- the acceptance rule -------------------------------------------------------------------------
+
+def acceptance_probability(p_draft: Tensor, q_draft: Tensor) -> Tensor:
+    """min(1, p/q) for each draft token, from the target's and the draft's probability of it. (k,) -> (k,)"""
+    return (p_draft / q_draft).clamp(max=1.0)
+
+
+def residual_distribution(p: Tensor, q: Tensor) -> Tensor:
+    """Where to resample after a rejection: normalized max(0, p - q). (vocab,) -> (vocab,)"""
+    residual = (p - q).clamp(min=0.0)
+    total = residual.sum()
+    return residual / total if total > 0 else p  # p == q up to rounding: a rejection had probability ~0
+
+
+def verify(p: Tensor, drafts: list[int], q: Tensor | None, generator: torch.Generator | None) -> tuple[int, int]:
+    """Rejection-sample the drafts against the target: (how many accepted, the token that ends the round).
+
+    p: (k+1, vocab) target distributions after each prefix; q: (k, vocab) the draft's, or None when the
+    drafts were deterministic (point masses: q(d) = 1, residual = p without d).
+    """
+    k = len(drafts)
+    d = torch.tensor(drafts, device=p.device, dtype=torch.long)
+    if q is None:
+        q = torch.zeros_like(p[:k]).scatter_(1, d.unsqueeze(1), 1.0)
+    rows = torch.arange(k, device=p.device)
+    accept = torch.rand(k, device=p.device, generator=generator) < acceptance_probability(p[rows, d], q[rows, d])
+    n = int(accept.long().cumprod(0).sum()) if k else 0
+    final = residual_distribution(p[n], q[n]) if n < k else p[k]
+    return n, int(torch.multinomial(final, 1, generator=generator))
+
+
+def verify_greedy(target_logits: Tensor, drafts: list[int]) -> tuple[int, int]:
+    """Temperature 0: keep drafts while they equal the target's argmax, then emit the target's own choice."""
+    choice = torch.argmax(target_logits, dim=-1).tolist()  # (k+1,)
+    n = 0
+    while n < len(drafts) and drafts[n] == choice[n]:
+        n += 1
+    return n, choice[n]
+
+
+# ---- one sequence --------------------------------------------------------------------------------
+
+@dataclass
+class SpecSession:
+    """One request's speculative generation: call `step()` until it says done; `tokens` is the output so far."""
+
+    target: Transformer
+    draft: DraftState
+    prompt_ids: list[int]
+    params: SamplingParams
+    k: int
+    max_new_tokens: int
+    generator: torch.Generator | None = None
+    runner: ModelRunner = field(init=False)
+    tokens: list[int] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def __post_init__(self) -> None:
+        # the target is fed at most the prompt, the generated tokens but the last, and the drafts of a round
+        # whose size is capped by what is left to generate: prompt + max_new_tokens positions suffice
+        self.runner = ModelRunner(self.target, len(self.prompt_ids) + self.max_new_tokens)
+
+    @torch.inference_mode()
+    def step(self) -> list[int]:
+        """One draft-and-verify round; returns the 1..k+1 tokens it emitted."""
+        context = self.prompt_ids + self.tokens
+        k = min(self.k, self.max_new_tokens - len(self.tokens) - 1)
+        proposal = self.draft.propose(context, k, self.params, self.generator)
+        drafts = proposal.tokens
+        logits = self.runner.forward(context[self.runner.length:] + drafts)[-(len(drafts) + 1):]  # (k+1, vocab)
+        if self.params.greedy:
+            n, last = verify_greedy(logits, drafts)
+        else:
+            n, last = verify(probabilities(logits, self.params), drafts, proposal.probs, self.generator)
+        emitted = drafts[:n] + [last]
+        kept = len(context) + n  # KV of the context and the accepted drafts stays; `last` is fed next round
+        self.runner.length = kept
+        self.draft.rollback(kept)
+        self.tokens += emitted
+        self.stats.target_calls += 1
+        self.stats.draft_calls = self.draft.calls
+        self.stats.proposed += len(drafts)
+        self.stats.accepted += n
+        self.stats.generated += len(emitted)
+        return emitted
+
+
+@dataclass
+class Speculation:
+    """What the engine holds for spec=ngram|draft: the drafter (shared weights) and K."""
+
+    drafter: Drafter
+    k: int
+
+    def start(self, target: Transformer, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
+              generator: torch.Generator | None) -> SpecSession:
+        draft = self.drafter.start(len(prompt_ids) + max_new_tokens)
+        return SpecSession(target, draft, list(prompt_ids), params, self.k, max_new_tokens, generator)
+
+
+def build_speculation(spec: dict[str, Any], model_name: str, target: Transformer, dtype: torch.dtype,
+                      device: torch.device) -> Speculation | None:
+    """The resolved `spec` config group -> Speculation (None for spec=off)."""
+    drafter = build_drafter(spec, model_name, target, dtype, device)
+    return Speculation(drafter, int(spec["k"])) if drafter is not None else None
+
+
+def stream_events(session: SpecSession, request: Request, lock: threading.Lock) -> Iterator[StreamEvent]:
+    """The engine's events for one speculative request: each round's tokens as soon as they are verified."""
+    while not request.finished:
+        with lock:
+            tokens = session.step()
+        for token in tokens:
+            yield from request.accept(token)
+            if request.finished:
+                break
+
+
+def speculative_generate(target_model: Transformer, draft_model: Transformer | Drafter, prompt_ids: list[int],
+                         K: int = 4, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                         max_new_tokens: int = 64, seed: int | None = None,
+                         eos_ids: set[int] | frozenset[int] = frozenset()) -> SpecResult:
+    """Generate with `draft_model` (a Transformer sharing the vocabulary, or any Drafter) proposing K tokens.
+
+    Stops after `max_new_tokens` or at an id in `eos_ids` (not included in the tokens).
+    """
+    drafter = draft_model if isinstance(draft_model, Drafter) else ModelDrafter(draft_model)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    session = Speculation(drafter, K).start(target_model, prompt_ids, params, max_new_tokens,
+                                            params.make_generator(target_model.rope_cos.device))
+    while len(session.tokens) < max_new_tokens:
+        session.step()
+        hit = next((i for i, t in enumerate(session.tokens) if t in eos_ids), None)
+        if hit is not None:
+            return SpecResult(session.tokens[:hit], "stop", session.stats)
+    return SpecResult(session.tokens[:max_new_tokens], "length", session.stats)
