@@ -1,0 +1,1 @@
+"""Training: offline corpora -> tokens -> a draft for a real target, or a from-scratch target/draft pair."""
