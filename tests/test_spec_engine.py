@@ -34,7 +34,9 @@ def test_engine_greedy_equals_spec_off(tiny_tokenizer, kind):
         want, got = plain.generate(prompt), spec.generate(prompt)
         assert got.token_ids == want.token_ids and got.text == want.text
         assert got.finish_reason == want.finish_reason and got.timings.completion_tokens == len(got.token_ids)
-    assert spec.stats()["requests_running"] == 0
+    stats = spec.stats()
+    assert stats["requests_running"] == 0 and 0 < stats["spec_target_calls"] <= stats["spec_generated"]
+    assert stats["spec_generated"] >= sum(len(plain.generate(p).token_ids) for p in PROMPTS)
 
 
 def test_engine_stream_and_submit_use_speculation(tiny_tokenizer):

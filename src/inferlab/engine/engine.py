@@ -403,6 +403,7 @@ class InferenceEngine:
             "prefix_cache_evictions": prefix.evictions if prefix else 0,
             "prefix_cache_blocks": prefix.num_cached if prefix else 0,
             "preemptions": scheduler.preemptions if scheduler else 0,
+            **(self.speculation.counters() if self.speculation else {}),  # spec_target_calls, spec_accepted, ...
         }
 
     def submit(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:

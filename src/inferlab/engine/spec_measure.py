@@ -74,8 +74,7 @@ def _run_pass(target: Transformer, speculation: Speculation, prompts: list[list[
         while len(session.tokens) < max_new_tokens:
             session.step()
         outputs.append(session.tokens)
-        for name in ("target_calls", "draft_calls", "proposed", "accepted", "generated"):
-            setattr(total, name, getattr(total, name) + getattr(session.stats, name))
+        total.add(session.stats)
     _synchronize(device)
     return time.perf_counter() - start, outputs, total
 

@@ -44,6 +44,10 @@ class SpecStats:
     def target_calls_per_token(self) -> float:
         return self.target_calls / self.generated if self.generated else 0.0
 
+    def add(self, other: "SpecStats") -> None:
+        for name in ("target_calls", "draft_calls", "proposed", "accepted", "generated"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "acceptance_rate": self.acceptance_rate,
                 "mean_accepted_length": self.mean_accepted_length,
@@ -113,6 +117,7 @@ class SpecSession:
     runner: ModelRunner = field(init=False)
     tokens: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
+    totals: SpecStats | None = None  # counters shared across sessions (the engine's), added to each round
 
     def __post_init__(self) -> None:
         # the target is fed at most the prompt, the generated tokens but the last, and the drafts of a round
@@ -123,6 +128,7 @@ class SpecSession:
     def step(self) -> list[int]:
         """One draft-and-verify round; returns the 1..k+1 tokens it emitted."""
         context = self.prompt_ids + self.tokens
+        draft_calls = self.draft.calls
         k = min(self.k, self.max_new_tokens - len(self.tokens) - 1)
         proposal = self.draft.propose(context, k, self.params, self.generator)
         drafts = proposal.tokens
@@ -136,11 +142,9 @@ class SpecSession:
         self.runner.length = kept
         self.draft.rollback(kept)
         self.tokens += emitted
-        self.stats.target_calls += 1
-        self.stats.draft_calls = self.draft.calls
-        self.stats.proposed += len(drafts)
-        self.stats.accepted += n
-        self.stats.generated += len(emitted)
+        round_stats = SpecStats(1, self.draft.calls - draft_calls, len(drafts), n, len(emitted))
+        for stats in (self.stats, self.totals) if self.totals is not None else (self.stats,):
+            stats.add(round_stats)
         return emitted
 
 
@@ -150,11 +154,18 @@ class Speculation:
 
     drafter: Drafter
     k: int
+    totals: SpecStats = field(default_factory=SpecStats)  # over every request, for the engine's stats()
+
+    def counters(self) -> dict[str, int]:
+        t = self.totals
+        return {"spec_target_calls": t.target_calls, "spec_draft_calls": t.draft_calls, "spec_proposed": t.proposed,
+                "spec_accepted": t.accepted, "spec_generated": t.generated}
 
     def start(self, target: Transformer, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
               generator: torch.Generator | None) -> SpecSession:
         draft = self.drafter.start(len(prompt_ids) + max_new_tokens)
-        return SpecSession(target, draft, list(prompt_ids), params, self.k, max_new_tokens, generator)
+        return SpecSession(target, draft, list(prompt_ids), params, self.k, max_new_tokens, generator,
+                           totals=self.totals)
 
 
 def build_speculation(spec: dict[str, Any], model_name: str, target: Transformer, dtype: torch.dtype,
