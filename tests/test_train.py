@@ -94,3 +94,25 @@ def test_scratch_tokenizer_and_models():
     losses = train(model, lambda step: lm_loss(model, random_windows(ids, 8, 16, batches)),
                    LoopConfig(steps=30, lr=1e-2, **QUIET), desc="test")
     assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.slow
+def test_inferlab_train_scratch_pair_serves_spec_draft(tmp_path):
+    """The CLI end to end at toy size: corpus -> BPE -> target + draft -> load_engine(spec=draft) == spec off."""
+    import subprocess
+    import sys
+
+    from inferlab.api import load_engine
+
+    tiny = ("scratch.vocab_size=400 scratch.seq_len=32 scratch.batch_size=4 scratch.max_seq_len=128 "
+            "scratch.target.dim=32 scratch.target.n_layers=2 scratch.target.hidden_dim=64 "
+            "scratch.target_loop.steps=3 scratch.draft_loop.steps=2 scratch.target_loop.warmup=1 "
+            "scratch.draft_loop.warmup=1 scratch.draft.dim=16 scratch.draft.hidden_dim=32").split()
+    done = subprocess.run([sys.executable, "-m", "inferlab.train", "task=scratch", f"out={tmp_path}", "progress=false",
+                           f"hydra.run.dir={tmp_path}/run", *tiny], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "target" / "config.json").is_file() and (tmp_path / "draft" / "config.json").is_file()
+    common = {"model.path": str(tmp_path / "target"), "cache.max_seq_len": 128}
+    plain = load_engine(model="local", **common).generate("To be, or not", max_new_tokens=12)
+    spec = load_engine(model="local", spec="draft", **common, **{"spec.draft_model": str(tmp_path / "draft"), "spec.k": 3})
+    assert spec.generate("To be, or not", max_new_tokens=12).token_ids == plain.token_ids

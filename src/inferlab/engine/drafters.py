@@ -178,7 +178,7 @@ def load_draft_model(path: Path, target: Transformer, dtype: torch.dtype, device
     from inferlab.model.loader import load_model
 
     if not (path / "config.json").is_file():
-        hint = f"; build it with `{build_hint}`" if build_hint else ""
+        hint = f"; build it with {build_hint}" if build_hint else ""
         raise ModelLoadError(f"draft model not found at {path}{hint}")
     draft = load_model({"path": str(path)}, dtype, device, target.config.max_seq_len).model
     if draft.config.vocab_size != target.config.vocab_size:

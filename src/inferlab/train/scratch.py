@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
+from inferlab.engine.drafters import default_draft_dir
 from inferlab.model.config import ModelConfig
 from inferlab.model.tokenizer import Tokenizer
 from inferlab.model.transformer import Transformer
@@ -80,9 +81,16 @@ def train_scratch(cfg: DictConfig, device: torch.device) -> Path:
               "target_final_loss": target_losses[-1] if target_losses else None, "target_val_loss": val_loss,
               "draft_final_kl": draft_losses[-1] if draft_losses else None, "draft": agreement(draft, target, val_batch)}
     print(f"held-out: target loss {val_loss:.3f}; draft vs target {report['draft']}")
-    out = Path(cfg.out).expanduser() if cfg.out else cache_dir() / "scratch"
+    dirs = scratch_dirs(Path(cfg.out).expanduser() if cfg.out else None)
     for name, model in (("target", target), ("draft", draft)):
-        save_checkpoint(model, tokenizer, out / name, {"inferlab": json.dumps(report)})
-    (out / "train.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}/target and {out}/draft")
-    return out
+        save_checkpoint(model, tokenizer, dirs[name], {"inferlab": json.dumps(report)})
+        (dirs[name] / "train.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {dirs['target']} and {dirs['draft']}")
+    return dirs["target"]
+
+
+def scratch_dirs(out: Path | None) -> dict[str, Path]:
+    """`out`/target and `out`/draft; by default where model=scratch and spec=draft look for them."""
+    if out is not None:
+        return {"target": out / "target", "draft": out / "draft"}
+    return {"target": cache_dir() / "models" / "scratch", "draft": default_draft_dir("scratch")}
