@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from inferlab.model.config import ModelConfig
-from inferlab.model.loader import unpermute_qk
+from inferlab.model.loader import _open_gguf, unpermute_qk  # the loader's per-process parse of the file
 
 Q4_1_GROUP = 32
 Codes = tuple[Tensor, Tensor, Tensor]  # codes uint8 (N, K), scales fp32 (N, G), mins fp32 (N, G)
@@ -41,9 +41,9 @@ def _cat(parts: list[Codes]) -> Codes:
 
 def read_q4_1_linears(path: Path, config: ModelConfig) -> dict[str, Codes]:
     """Codes per decoder Linear (module names as in Transformer), for every layer whose parts are all Q4_1."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
 
-    reader = GGUFReader(path)
+    reader = _open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
     permute = reader.fields["general.architecture"].contents() == "llama"  # as in model/loader.py
 
