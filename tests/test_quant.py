@@ -177,3 +177,5 @@ def test_quantize_model_errors_leave_model_untouched():
     quantize_model(model, "int8")
     with pytest.raises(QuantizationError, match="already quantized"):
         quantize_model(model, "int4")
+    with pytest.raises(QuantizationError, match="no nn.Linear"):
+        quantize_model(nn.Sequential(nn.ReLU()), "int8")

@@ -69,12 +69,18 @@ def _kernel(module: nn.Module) -> str:
 
 def quantize_model(model: nn.Module, mode: str, group_size: int | None = None, gguf_path: Path | None = None,
                    use_kernel: bool = True) -> QuantReport:
-    """Quantize in place; with `gguf_path`, int4 at group size 32 imports the file's Q4_1 blocks losslessly."""
+    """Quantize in place; with `gguf_path`, int4 at group size 32 imports the file's Q4_1 blocks losslessly.
+
+    `group_size` applies to int4 only (None -> 64). Checks every layer before changing any, so a refused
+    model is left as it was.
+    """
     if mode not in MODES:
         raise QuantizationError(f"unknown quantization {mode!r}; use one of {list(MODES)}")
     if any(isinstance(m, QUANTIZED) for m in model.modules()):
         raise QuantizationError("the model is already quantized; load it again to quantize another way")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if not linears:
+        raise QuantizationError("the model has no nn.Linear layers to quantize (quantize before swapping in other kernels)")
     if mode == "int4":
         group_size = group_size or 64
         for name, linear in linears.items():
