@@ -1,4 +1,4 @@
-"""What several studies measure the same way: prompts, decode timing, weight bytes, read bandwidth."""
+"""What several studies measure the same way: prompts, decode timing, read bandwidth."""
 from __future__ import annotations
 
 import importlib
@@ -62,14 +62,6 @@ def median_of(run: Callable[[], float], warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         run()
     return statistics.median(run() for _ in range(repeats))
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights a decode step reads: every stored tensor once (tied embeddings count once)."""
-    seen: dict[int, int] = {}
-    for tensor in model.state_dict().values():
-        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 def read_bandwidth_gb_s(megabytes: int, device: torch.device, repeats: int = 5) -> float:

@@ -16,8 +16,9 @@ from omegaconf import DictConfig
 from inferlab.api import engine_from_config
 from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.bench.studies.common import (decode_loop, decode_rate, median_of, prompt_ids, read_bandwidth_gb_s,
-                                           require, weight_bytes)
+                                           require)
 from inferlab.engine.engine import InferenceEngine
+from inferlab.quant.apply import weight_bytes
 
 Runner = Callable[[list[int], int], list[float]]  # (prompt ids, new tokens) -> token arrival times
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

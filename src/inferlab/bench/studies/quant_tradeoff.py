@@ -1,5 +1,5 @@
 """quant_tradeoff: for this job's precision, weight MB, resident memory, generation tokens/s per batch size
-and perplexity on held-out text (`inferlab.bench.perplexity.evaluate_perplexity(engine, max_tokens)`)."""
+and strided-window perplexity on held-out Shakespeare."""
 from __future__ import annotations
 
 import time
@@ -9,20 +9,22 @@ from omegaconf import DictConfig
 
 from inferlab.api import engine_from_config
 from inferlab.bench.studies import Rows, register
-from inferlab.bench.studies.common import median_of, prompt_ids, require, weight_bytes
+from inferlab.bench.perplexity import evaluate_perplexity
+from inferlab.bench.studies.common import median_of, prompt_ids
 from inferlab.engine.engine import InferenceEngine
+from inferlab.quant.apply import weight_bytes
+from inferlab.train.corpus import load_tokens
 
 
 @register("quant_tradeoff")
 def run(cfg: DictConfig) -> Rows:
-    if cfg.precision.get("quant"):
-        require("inferlab.quant.apply", f"{cfg.precision.name} weights")
-    perplexity = require("inferlab.bench.perplexity", "perplexity evaluation")
     engine = engine_from_config(cfg)
     m = cfg.measure
     ids = prompt_ids(cfg, engine, int(m.prompt_tokens))
+    held_out = load_tokens(engine.tokenizer, "shakespeare", "val", max_tokens=int(m.perplexity_tokens))
     common = {"weight_mb": weight_bytes(engine.model) / 2**20,
-              "perplexity": perplexity.evaluate_perplexity(engine, int(m.perplexity_tokens))}
+              "perplexity": evaluate_perplexity(engine.model, held_out, int(m.perplexity_window),
+                                                int(m.perplexity_stride))}
     rows = []
     for batch in cfg.study.batch_sizes:
         rate = median_of(lambda: generation_rate(engine, [ids] * int(batch), int(m.new_tokens)),
