@@ -63,18 +63,6 @@ class Completion:
 
 
 @dataclass
-class StreamEvent:
-    """One generated token (`token_id` set), or the closing event (`finish_reason` and `timings` set)."""
-
-    index: int
-    text: str
-    token_id: int | None = None
-    ttft_ms: float | None = None  # on the first token only
-    finish_reason: str | None = None
-    timings: Timings | None = None
-
-
-@dataclass
 class GenerationRequest:
     prompt: str | list[int]
     params: SamplingParams
