@@ -25,6 +25,15 @@ def byte_level_backend() -> HFTokenizer:
     return backend
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared machine they lose a lot to them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> Tokenizer:
     backend = byte_level_backend()

@@ -13,6 +13,8 @@ from inferlab.engine.sampling import SamplingParams, probabilities
 from inferlab.engine.speculative import SpecSession, speculative_generate
 from inferlab.model.transformer import Transformer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = [[1, 2, 3], [200, 17, 5, 99, 42, 7], [65, 66, 67, 65, 66, 67, 65, 66], [250] * 5, list(range(30, 50)),
            [10, 20, 10, 20, 10, 20, 30], [128, 3, 3, 3, 9]]
 
@@ -36,15 +38,6 @@ def greedy_reference(model: Transformer, prompt: list[int], n: int) -> list[int]
         tokens = torch.tensor([ids])
         ids.append(int(model(tokens, torch.arange(len(ids)).unsqueeze(0))[0, -1].argmax()))
     return ids[len(prompt):]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine they lose a lot to them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

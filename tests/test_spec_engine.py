@@ -14,15 +14,9 @@ from inferlab.engine.speculative import Speculation
 from inferlab.errors import ModelLoadError
 from inferlab.train.checkpoint import save_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = ["abcabcabcab", "the cat sat on the mat; the cat", "xyz"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("kind", ["ngram", "draft"])

@@ -14,13 +14,7 @@ from inferlab.train.loop import LoopConfig, train
 from inferlab.train.losses import agreement, distill_loss, lm_loss, positions_for
 from inferlab.train.scratch import EOS, init_model, train_tokenizer
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def logits_of(model, tokens: torch.Tensor) -> torch.Tensor:
