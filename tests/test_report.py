@@ -80,3 +80,16 @@ def test_notebook_runs_on_the_fixture(outputs: Path, monkeypatch):
     images = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if "image/png" in o.get("data", {})]
     assert len(images) == 2  # kv_speedup and peers have charts and rows
+
+
+def test_perplexity_delta_against_fp32_comes_from_the_csv(tmp_path: Path):
+    root = tmp_path / "outputs"
+    for precision, ppl in (("fp32", 20.0), ("int8", 20.5), ("int4", 21.0)):
+        write(root, f"q/{precision}", "quant_tradeoff", [f"precision={precision}"],
+              [{"batch_size": b, "weight_mb": 1.0, "gen_tok_s": 1.0, "perplexity": ppl} for b in (1, 8)])
+    build(root, tmp_path / "report", tmp_path / "REPORT.md")
+    quant = (tmp_path / "REPORT.md").read_text().split("## Precision vs memory")[1].split("\n## ")[0]
+    assert "perplexity vs fp32 (%)" in quant
+    rows = {line.split("|")[1].strip() + line.split("|")[2].strip(): line for line in quant.splitlines()
+            if line.startswith("| int") or line.startswith("| fp32")}
+    assert "| 2.50 " in rows["int81"] and "| 5.00 " in rows["int48"] and "| 0 " in rows["fp321"]

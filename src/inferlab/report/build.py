@@ -93,7 +93,12 @@ def _table(frame: pd.DataFrame, layout: dict[str, Any]) -> pd.DataFrame:
     values = layout["values"] if isinstance(layout["values"], list) else [layout["values"]]
     values = [v for v in values if v in frame]
     if "columns" not in layout:
-        return frame[index + values].sort_values(index).reset_index(drop=True)
+        table = frame[index + values].sort_values(index).reset_index(drop=True)
+        baseline = layout.get("baseline")  # one value of a column against a reference row's, in percent
+        if baseline and baseline["value"] in table and (table[baseline["column"]] == baseline["reference"]).any():
+            reference = table.loc[table[baseline["column"]] == baseline["reference"], baseline["value"]].median()
+            table[baseline["name"]] = (table[baseline["value"]] / reference - 1) * 100
+        return table
     table = frame.pivot_table(index=index, columns=layout["columns"], values=values[0], aggfunc="median")
     table.columns = [f"{values[0]} ({layout['columns']}={c})" for c in table.columns]
     ratio = layout.get("ratio")
