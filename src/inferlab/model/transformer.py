@@ -35,9 +35,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # normalized in fp32, scaled in the model's dtype (as HF does): one fused kernel, not seven ops
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_frequencies(config: ModelConfig) -> Tensor:
@@ -69,17 +68,18 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.split = (q_size, kv_size, kv_size)
+        self.split = (q_size + kv_size, kv_size)
         self.wqkv = nn.Linear(config.dim, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.wo = nn.Linear(q_size, config.dim, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.split, dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        qk, v = self.wqkv(x).split(self.split, dim=-1)
+        # q and k heads rotated together: (B, n_heads + n_kv_heads, T, head_dim)
+        qk = apply_rope(qk.view(B, T, self.n_heads + self.n_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        out = attend(self.layer_idx, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        out = attend(self.layer_idx, q, k, v)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
