@@ -6,6 +6,7 @@ here over the bytes of weights one decode step reads.
 """
 from __future__ import annotations
 
+import ctypes
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,6 +20,7 @@ from inferlab.bench.studies.common import (decode_loop, decode_rate, median_of, 
                                            require)
 from inferlab.engine.engine import InferenceEngine
 from inferlab.quant.apply import weight_bytes
+from inferlab.train.corpus import cache_dir
 
 Runner = Callable[[list[int], int], list[float]]  # (prompt ids, new tokens) -> token arrival times
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -120,13 +122,13 @@ def llama_cpp_runner(gguf: Path, precision: str) -> tuple[Runner, int, str]:
 
 
 def requantized(llama_cpp, gguf: Path, precision: str) -> Path:
-    """A copy of `gguf` at `precision`, made once with llama.cpp's own quantizer beside the user cache."""
-    out = Path.home() / ".cache" / "inferlab" / f"{gguf.stem}.{precision}.gguf"
+    """A copy of `gguf` at `precision`, made once with llama.cpp's own quantizer, in the cache dir."""
+    out = cache_dir() / "peers" / f"{gguf.stem}.{precision}.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, LLAMA_CPP_FTYPES[precision])
         params.allow_requantize = True
-        if llama_cpp.llama_model_quantize(str(gguf).encode(), str(out).encode(), params) != 0:
+        if llama_cpp.llama_model_quantize(str(gguf).encode(), str(out).encode(), ctypes.byref(params)) != 0:
             raise StudyUnavailable(f"llama.cpp could not requantize {gguf.name} to {precision}")
     return out
