@@ -93,3 +93,18 @@ def test_perplexity_delta_against_fp32_comes_from_the_csv(tmp_path: Path):
     rows = {line.split("|")[1].strip() + line.split("|")[2].strip(): line for line in quant.splitlines()
             if line.startswith("| int") or line.startswith("| fp32")}
     assert "| 2.50 " in rows["int81"] and "| 5.00 " in rows["int48"] and "| 0 " in rows["fp321"]
+
+
+def test_readme_quotes_the_headline_sections_of_the_report(outputs: Path, tmp_path: Path):
+    from inferlab.report.build import README_END, README_START, embed_headline
+
+    report_file = build(outputs, tmp_path / "report", tmp_path / "REPORT.md")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nintro\n\n{README_START}\nstale numbers\n{README_END}\n\n## Later\n")
+    assert embed_headline(readme, report_file, ["kv_speedup", "peers"])
+    text = readme.read_text()
+    assert "stale numbers" not in text and text.startswith("# x\n\nintro") and text.endswith("## Later\n")
+    kv = text.split("### KV-cache speedup")[1].split("###")[0]
+    assert "| 4.50 " in kv and "(report/kv_speedup.png)" in kv  # the report's own table and chart
+    assert "transformers" in text.split(README_START)[1]
+    assert not embed_headline(tmp_path / "REPORT.md", report_file, ["peers"])  # no markers: left alone
