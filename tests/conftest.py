@@ -7,6 +7,7 @@ from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, p
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
 from inferlab.engine.sampling import SamplingParams
+from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.model.config import ModelConfig
 from inferlab.model.loader import LoadedModel
 from inferlab.model.tokenizer import Tokenizer
@@ -65,5 +66,7 @@ def tiny_engine(tokenizer: Tokenizer, cache_mode: str = "contiguous", slots: int
     loaded = LoadedModel(model, tokenizer, model.config, "tiny random-init")
     config = EngineConfig(device=torch.device("cpu"), dtype=torch.float32, cache_mode=cache_mode,
                           max_seq_len=model.config.max_seq_len, slots=slots,
-                          defaults=SamplingParams(max_new_tokens=max_new_tokens))
+                          defaults=SamplingParams(max_new_tokens=max_new_tokens), block_size=16, kv_blocks=0,
+                          prefix_cache=False, scheduler=SchedulerConfig(max_running=16, max_waiting=64,
+                                                                        prefill_chunk=256))
     return InferenceEngine(loaded, config)

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from contextlib import closing
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import AsyncIterator, Callable, Iterator
 
@@ -46,12 +46,10 @@ class EngineConfig:
     max_seq_len: int  # tokens one sequence may hold (prompt + generated)
     slots: int  # contiguous: sequences whose KV fits at once
     defaults: SamplingParams  # generation parameters a call does not set
-    # The values below come from conf/ (cache/*.yaml, scheduler:); these defaults only serve tests
-    # that build an engine by hand.
-    block_size: int = 16  # paged: tokens per KV block
-    kv_blocks: int = 0  # paged: blocks in the pool; 0 = the memory `slots` contiguous slots would take
-    prefix_cache: bool = False  # paged: reuse the KV of full blocks of earlier prompts
-    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(16, 64, 256))
+    block_size: int  # paged: tokens per KV block
+    kv_blocks: int  # paged: blocks in the pool; 0 = the memory `slots` contiguous slots would take
+    prefix_cache: bool  # paged: reuse the KV of full blocks of earlier prompts
+    scheduler: SchedulerConfig
 
 
 @dataclass
