@@ -61,12 +61,12 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
 
 
 def tiny_engine(tokenizer: Tokenizer, cache_mode: str = "contiguous", slots: int = 2, seed: int = 0,
-                max_new_tokens: int = 16, **overrides) -> InferenceEngine:
-    model = tiny_model(seed, **overrides)
+                max_new_tokens: int = 16, dtype: torch.dtype = torch.float32, **overrides) -> InferenceEngine:
+    model = tiny_model(seed, **overrides).to(dtype)
     loaded = LoadedModel(model, tokenizer, model.config, "tiny random-init")
-    config = EngineConfig(device=torch.device("cpu"), dtype=torch.float32, cache_mode=cache_mode,
+    config = EngineConfig(device=torch.device("cpu"), dtype=dtype, cache_mode=cache_mode,
                           max_seq_len=model.config.max_seq_len, slots=slots,
                           defaults=SamplingParams(max_new_tokens=max_new_tokens), block_size=16, kv_blocks=0,
                           prefix_cache=False, scheduler=SchedulerConfig(max_running=16, max_waiting=64,
-                                                                        prefill_chunk=256))
+                                                                        prefill_chunk=256), kernels="fast")
     return InferenceEngine(loaded, config)

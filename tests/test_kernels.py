@@ -1,46 +1,139 @@
-"""Device fast paths against the portable reference they replace."""
+"""The CPU decode kernel (engine/csrc/gemv.cpp) against the portable reference it replaces."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inferlab.engine.kernels import PackedLinear, cpu_fp32_packing_available, select_kernels
+from inferlab.engine.kernels import (GEMV_MAX_ROWS, GemvLinear, cpu_gemv_available, decode_attention,
+                                     decode_attention_fits, gemv, select_kernels)
+from inferlab.model.transformer import RMSNorm, linear_after_norm
+from inferlab.quant.int8 import Int8Linear
 
 from conftest import tiny_engine
 
-needs_onednn = pytest.mark.skipif(not cpu_fp32_packing_available(torch.device("cpu"), torch.float32),
-                                  reason="this torch build has no oneDNN")
+needs_gemv = pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here")
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
-@needs_onednn
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1, 96), (1, 1, 96), (3, 7, 96)])
-def test_packed_linear_equals_f_linear(bias, shape):
+def reference(x, weight, scales, bias, norm):
+    """What the kernel computes, in fp64: rmsnorm(x) @ (weight * scales).T + bias."""
+    x = x.double()
+    if norm is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+    w = weight.double() if scales is None else weight.double() * scales.double()[:, None]
+    return F.linear(x, w, None if bias is None else bias.double())
+
+
+@needs_gemv
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_kind", ["dense", "int8"])
+@pytest.mark.parametrize("rows", range(1, GEMV_MAX_ROWS + 1))
+@pytest.mark.parametrize("extras", ["none", "bias", "norm", "bias+norm"])
+def test_gemv_equals_reference(dtype, weight_kind, rows, extras):
+    torch.manual_seed(rows)
+    n, k = 203, 96  # 203 rows: the 4-row tiles leave a tail
+    x = torch.randn(1, rows, k).to(dtype)
+    if weight_kind == "int8":
+        weight, scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) / 100
+    else:
+        weight, scales = torch.randn(n, k).to(dtype) / k ** 0.5, None
+    bias = torch.randn(n).to(dtype) if "bias" in extras else None
+    norm = None
+    if "norm" in extras:
+        norm = RMSNorm(k, 1e-5)
+        norm.weight.data = (torch.rand(k) + 0.5).to(dtype)
+    y = gemv(x, weight, scales, bias, norm)
+    assert y.shape == (1, rows, n) and y.dtype == dtype
+    expected = reference(x, weight, scales, bias, norm)
+    scale = expected.abs().max().item()
+    assert (y.double() - expected).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1.0)
+
+
+@needs_gemv
+def test_gemv_leaves_its_input_alone_and_refuses_what_it_does_not_cover():
+    x = torch.randn(1, 64)
+    before = x.clone()
+    gemv(x, torch.randn(10, 64), None, None, RMSNorm(64, 1e-6))
+    assert torch.equal(x, before)  # the norm is applied to a copy
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        gemv(torch.randn(1, 12), torch.randn(4, 12), None, None, None)
+    with pytest.raises(RuntimeError, match="activation rows"):
+        gemv(torch.randn(GEMV_MAX_ROWS + 1, 64), torch.randn(4, 64), None, None, None)
+
+
+@needs_gemv
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [1, 7, 8, 77, 600])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
+def test_decode_attention_equals_sdpa(dtype, length, heads):
+    """One query over a slice of a larger cache (strided views, as the KV cache hands them out), GQA groups."""
+    torch.manual_seed(length)
+    (n_heads, n_kv_heads), batch, head_dim, capacity = heads, 2, 64, 640
+    q = torch.randn(batch, n_heads, 1, head_dim).to(dtype)
+    cache_k, cache_v = (torch.randn(batch, n_kv_heads, capacity, head_dim).to(dtype) * 3 for _ in range(2))
+    keys, values = cache_k[:, :, :length], cache_v[:, :, :length]
+    assert decode_attention_fits(q, keys)
+    out = decode_attention(q, keys, values)
+    expected = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), enable_gqa=True)
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert (out.double() - expected).abs().max() <= TOLERANCE[dtype] * 3
+
+
+@needs_gemv
+@pytest.mark.parametrize("shape", [(1, 64), (1, 3, 64), (2, 7, 64), (40, 64)])
+def test_gemv_linear_matches_linear_after_norm_for_any_batch(shape):
+    """Few rows take the kernel, more rows `F.linear`: either way linear(norm(x))."""
     torch.manual_seed(0)
-    linear = nn.Linear(96, 200, bias=bias)
+    linear, norm = nn.Linear(64, 72, bias=True), RMSNorm(64, 1e-6)
+    norm.weight.data = torch.rand(64) + 0.5
     x = torch.randn(shape)
-    assert torch.allclose(PackedLinear(linear)(x), F.linear(x, linear.weight, linear.bias), atol=1e-5)
+    with torch.no_grad():
+        expected = linear(norm(x))
+        assert torch.allclose(linear_after_norm(GemvLinear(linear), norm, x), expected, atol=1e-5)
+        assert torch.allclose(GemvLinear(linear)(x), linear(x), atol=1e-5)
 
 
-@needs_onednn
-def test_engine_with_packed_kernels_matches_reference(tiny_tokenizer):
-    reference = tiny_engine(tiny_tokenizer)
-    fast = tiny_engine(tiny_tokenizer)
-    swapped = select_kernels(fast.model, torch.device("cpu"), torch.float32)
+@needs_gemv
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_with_fast_kernels_matches_portable_engine(tiny_tokenizer, dtype):
+    """Prefill (F.linear) then 20 decode steps (the kernel): the same logits and greedy tokens as F.linear."""
+    reference, fast = tiny_engine(tiny_tokenizer, dtype=dtype), tiny_engine(tiny_tokenizer, dtype=dtype)
+    assert select_kernels(reference.model, torch.device("cpu"), dtype, "portable") == []
+    swapped = select_kernels(fast.model, torch.device("cpu"), dtype, "fast")
     assert "output" in swapped and "layers.0.attention.wqkv" in swapped and len(swapped) == 1 + 4 * 2
     prompt = list(range(20, 52))
     ref_logits, ref_seq = reference.prefill(prompt)
     fast_logits, fast_seq = fast.prefill(prompt)
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
     for _ in range(20):
-        assert torch.allclose(ref_logits, fast_logits, atol=1e-4)
+        assert (ref_logits.float() - fast_logits.float()).abs().max() <= tolerance
+        assert int(ref_logits.argmax()) == int(fast_logits.argmax())
         token = int(ref_logits.argmax())
         ref_logits, fast_logits = reference.decode_step(token, ref_seq), fast.decode_step(token, fast_seq)
     ref_seq.release()
     fast_seq.release()
 
 
-def test_other_devices_and_dtypes_keep_f_linear(tiny_tokenizer):
+@needs_gemv
+def test_int8_layer_kernel_matches_its_dequantized_reference():
+    torch.manual_seed(0)
+    layer = Int8Linear(nn.Linear(96, 130, bias=True))
+    x = torch.randn(1, 1, 96)
+    with torch.no_grad():
+        expected = F.linear(x, layer.dequantize(), layer.bias)
+        assert torch.allclose(layer(x), expected, atol=1e-4)
+        layer.use_kernel = False
+        assert torch.allclose(layer(x), expected, atol=1e-5)
+
+
+def test_portable_and_other_devices_keep_f_linear(tiny_tokenizer):
     model = tiny_engine(tiny_tokenizer).model
-    assert select_kernels(model, torch.device("cpu"), torch.bfloat16) == []
-    assert select_kernels(model, torch.device("cuda"), torch.float32) == []
-    assert all(type(m) is not PackedLinear for m in model.modules())
+    model.layers[0].attention.wo = Int8Linear(model.layers[0].attention.wo)
+    assert select_kernels(model, torch.device("cpu"), torch.float32, "portable") == []
+    assert model.layers[0].attention.wo.use_kernel is False  # quantized layers take their reference path too
+    assert select_kernels(model, torch.device("cuda"), torch.float32, "fast") == []
+    assert select_kernels(model, torch.device("cpu"), torch.float16, "fast") == []
+    assert all(type(m) is not GemvLinear for m in model.modules())
+    with pytest.raises(Exception, match="device.kernels"):
+        select_kernels(model, torch.device("cpu"), torch.float32, "fastest")

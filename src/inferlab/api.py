@@ -63,7 +63,7 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
     loaded = load_model(model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0)
     if cfg.precision.quant:
         quantize_model(loaded.model, cfg.precision.quant, cfg.precision.get("group_size"), loaded.gguf_path)
-    select_kernels(loaded.model, device, dtype)
+    select_kernels(loaded.model, device, dtype, cfg.device.kernels)
     defaults = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                               top_k=cfg.top_k, seed=cfg.seed, stop=list(cfg.stop))
     kv_blocks = blocks_for_budget(loaded.config, cfg.cache.kv_budget_mb, cfg.cache.block_size, dtype) \
@@ -71,7 +71,7 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
     config = EngineConfig(device=device, dtype=dtype, cache_mode=cfg.cache.mode,
                           max_seq_len=loaded.config.max_seq_len, slots=cfg.cache.slots, defaults=defaults,
                           block_size=cfg.cache.block_size, kv_blocks=kv_blocks, prefix_cache=cfg.cache.prefix,
-                          scheduler=SchedulerConfig(**cfg.scheduler))
+                          scheduler=SchedulerConfig(**cfg.scheduler), kernels=cfg.device.kernels)
     speculation = build_speculation(OmegaConf.to_container(cfg.spec, resolve=True), cfg.model.name, loaded.model,
                                     dtype, device)
     return InferenceEngine(loaded, config, speculation)

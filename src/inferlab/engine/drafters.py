@@ -167,7 +167,7 @@ def build_drafter(spec: dict[str, Any], model_name: str, target: Transformer, dt
 
 def default_draft_dir(model_name: str) -> Path:
     """Where inferlab-train writes the draft for a model: beside the tokenized corpora, in the cache dir."""
-    from inferlab.train.corpus import cache_dir
+    from inferlab.paths import cache_dir
 
     return cache_dir() / "drafts" / model_name
 

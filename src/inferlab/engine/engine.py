@@ -23,6 +23,7 @@ from torch import Tensor
 
 from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
 from inferlab.engine.block_manager import BlockManager, BlockTable
+from inferlab.engine.kernels import fast_kernels_apply
 from inferlab.engine.kv_cache import CachedAttend, KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.engine.prefix_cache import PrefixCache
@@ -50,6 +51,7 @@ class EngineConfig:
     kv_blocks: int  # paged: blocks in the pool; 0 = the memory `slots` contiguous slots would take
     prefix_cache: bool  # paged: reuse the KV of full blocks of earlier prompts
     scheduler: SchedulerConfig
+    kernels: str  # "fast" | "portable": engine/kernels.py (device.kernels)
 
 
 @dataclass
@@ -153,6 +155,7 @@ class InferenceEngine:
         self.scheduler: Scheduler | None = None
         if config.cache_mode == "contiguous":
             self.kv_cache = KVCache(loaded.config, config.slots, config.max_seq_len, config.dtype, config.device)
+            self.kv_cache.decode_kernel = fast_kernels_apply(config.device, config.dtype, config.kernels)
             self.pool = SlotPool(self.kv_cache, loaded.config)
             self.paged = PagedKVCache.over_slots(self.kv_cache)
             slot_bytes = compute_kv_cache_bytes(loaded.config, 1, config.max_seq_len, config.dtype)

@@ -1,44 +1,126 @@
-"""The matmul kernel for each plain Linear, chosen once at load for the device and dtype.
+"""The matmul kernel for each Linear, chosen once at load for the device (`device.kernels`).
 
-On CPU in fp32 the default BLAS path reads weights far below the memory bandwidth for the
-matrix-vector products of decoding; the same weight reordered once into oneDNN's blocked layout
-runs about twice as fast on the LM head. bf16 and CUDA keep `F.linear`, which is already the best
-there. Quantized layers (quant/) carry their own kernels and are left alone.
+Decoding multiplies a handful of activation rows by every weight matrix, so its speed is how fast
+the weights stream from memory. On CPU the library paths fall well short of that for these
+matrix-vector products (measured on the 121 matrices of SmolLM2-135M, 2 threads: F.linear fp32
+13.5 GB/s, oneDNN-prepacked 17.3), so inferlab builds its own AVX2 kernel (csrc/gemv.cpp: fp32, bf16
+and int8 weights, one pass over each row) on first use and caches the build. It takes calls of at
+most GEMV_MAX_ROWS rows; prompts and large batches are GEMMs, where `F.linear` is the right tool.
+`kernels=portable`, other devices, and machines without AVX2 or a C++ compiler keep `F.linear`.
 """
 from __future__ import annotations
 
+import functools
+import logging
+import sys
+from pathlib import Path
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from inferlab.errors import InvalidRequestError
+from inferlab.model.transformer import RMSNorm
+from inferlab.paths import cache_dir
 
-class PackedLinear(nn.Module):
-    """A Linear whose weight is prepacked for oneDNN; `weight` stays for state_dict and reference use."""
+GEMV_MAX_ROWS, GEMV_K_STEP, GEMV_MAX_K = 4, 16, 8192  # kMaxRows, kStep and the K limit in csrc/gemv.cpp
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv.cpp", "decode_attention.cpp")]
+DECODE_ATTENTION_MAX_HEAD_DIM = 256
+KERNEL_CHOICES = ("fast", "portable")
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def cpu_gemv_available() -> bool:
+    """Build (first call on a machine: ~30 s; then cached) and load the AVX2 kernels; False where they cannot."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    from torch.utils.cpp_extension import load
+
+    build_dir = cache_dir() / "kernels" / f"torch-{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob("*.so")):
+        print("inferlab: building the CPU decode kernels (once per machine) ...", file=sys.stderr, flush=True)
+    try:
+        # -fopenmp for at::parallel_for's pragmas: the process's libgomp is torch's, so the threads are torch's
+        load(name="inferlab_kernels", sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
+             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False)
+    except Exception as error:  # no compiler, no ninja: the portable path serves
+        log.warning("CPU decode kernels unavailable (%s); using F.linear", str(error).splitlines()[0])
+        return False
+    return True
+
+
+def gemv_fits(x: Tensor, weight: Tensor) -> bool:
+    """The kernel covers this call: CPU, at most GEMV_MAX_ROWS rows, K a multiple of 16 up to 8192."""
+    k = weight.shape[1]
+    return (x.device.type == "cpu" and x.numel() <= GEMV_MAX_ROWS * k and k % GEMV_K_STEP == 0 and k <= GEMV_MAX_K
+            and x.dtype in (torch.float32, torch.bfloat16) and cpu_gemv_available())
+
+
+def gemv(x: Tensor, weight: Tensor, scales: Tensor | None, bias: Tensor | None, norm: RMSNorm | None) -> Tensor:
+    """rmsnorm(x) @ weight.T * scales + bias, each part only when given, in one pass over the weight.
+
+    x: (..., K) fp32 | bf16; weight: (N, K) fp32 | bf16 | int8; scales, bias: (N,) -> (..., N) in x's dtype
+    """
+    norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+    return torch.ops.inferlab.gemv(x, weight, scales, bias, norm_weight, eps)
+
+
+def decode_attention_fits(q: Tensor, keys: Tensor) -> bool:
+    """One query per sequence, fp32 or bf16, head_dim a multiple of 8 up to 256, on a CPU with the kernels."""
+    d = q.shape[-1]
+    return (q.shape[2] == 1 and q.dtype == keys.dtype and q.dtype in (torch.float32, torch.bfloat16)
+            and d % 8 == 0 and d <= DECODE_ATTENTION_MAX_HEAD_DIM and keys.device.type == "cpu" and cpu_gemv_available())
+
+
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(d)) v for one query per sequence over every cached key (no mask: all are visible).
+
+    q: (B, H, 1, D); keys, values: (B, H_kv, L, D), H a multiple of H_kv -> (B, H, 1, D)
+    """
+    return torch.ops.inferlab.decode_attention(q, keys, values, q.shape[-1] ** -0.5)
+
+
+class GemvLinear(nn.Module):
+    """An nn.Linear that decodes through the CPU kernel (with the RMSNorm before it fused in) and leaves
+    larger products to `F.linear`."""
+
+    fuses_norm = True  # model/transformer.py: linear_after_norm
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        # the batch-size hint only tunes the layout; 1 is the decode case this exists for
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1),
-                             persistent=False)
+        self.weight, self.bias = linear.weight, linear.bias
 
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+    def forward(self, x: Tensor, norm: RMSNorm | None = None) -> Tensor:
+        if gemv_fits(x, self.weight):
+            return gemv(x, self.weight, None, self.bias, norm)
+        return F.linear(x if norm is None else norm(x), self.weight, self.bias)
 
 
-def cpu_fp32_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+def fast_kernels_apply(device: torch.device, dtype: torch.dtype, kernels: str) -> bool:
+    if kernels not in KERNEL_CHOICES:
+        raise InvalidRequestError(f"device.kernels={kernels!r}; use one of {list(KERNEL_CHOICES)}")
+    return (kernels == "fast" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and cpu_gemv_available())
 
 
-def select_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Swap each plain nn.Linear for the fastest kernel this device offers; return the swapped names."""
-    if not cpu_fp32_packing_available(device, dtype):
-        return []
+def select_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str) -> list[str]:
+    """Swap each plain nn.Linear for the kernel chosen for this device; return the swapped names.
+
+    Quantized layers (quant/) pick their own kernels per call and are left alone, except that
+    `kernels=portable` sends them down their dequantize-then-linear reference path too.
+    """
+    fast = fast_kernels_apply(device, dtype, kernels)
     swapped = []
     for name, module in list(model.named_modules()):
+        if hasattr(module, "use_kernel"):
+            module.use_kernel = kernels == "fast"
         for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                setattr(module, child_name, PackedLinear(child))
+            if fast and type(child) is nn.Linear:
+                setattr(module, child_name, GemvLinear(child))
                 swapped.append(f"{name}.{child_name}" if name else child_name)
     return swapped

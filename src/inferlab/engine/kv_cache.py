@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inferlab.engine.kernels import decode_attention, decode_attention_fits
 from inferlab.errors import CapacityError
 from inferlab.model.config import ModelConfig
 
@@ -24,7 +25,10 @@ class KVCache:
         shape = (config.n_layers, slots, config.n_kv_heads, max_seq_len, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_layers = [self.k[i] for i in range(config.n_layers)]  # per-layer views: less indexing per step
+        self.v_layers = [self.v[i] for i in range(config.n_layers)]
         self.slots, self.max_seq_len = slots, max_seq_len
+        self.decode_kernel = False  # single-query steps through engine/kernels.py's decode_attention (the engine sets it)
 
     @property
     def nbytes(self) -> int:
@@ -37,9 +41,10 @@ class KVCache:
         Returns views of everything written so far for those slots: (B, n_kv_heads, start_pos + T, head_dim).
         """
         end = start_pos + k_val.shape[2]
-        self.k[layer_idx, slots, :, start_pos:end] = k_val
-        self.v[layer_idx, slots, :, start_pos:end] = v_val
-        return self.k[layer_idx, slots, :, :end], self.v[layer_idx, slots, :, :end]
+        k, v = self.k_layers[layer_idx], self.v_layers[layer_idx]  # (slots, n_kv_heads, max_seq_len, head_dim)
+        k[slots, :, start_pos:end] = k_val
+        v[slots, :, start_pos:end] = v_val
+        return k[slots, :, :end], v[slots, :, :end]
 
 
 @dataclass
@@ -70,6 +75,8 @@ class CachedAttend:
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         keys, values = self.cache.update(layer_idx, k, v, self.start_pos, self.slots)
+        if self.n_new == 1 and self.mask is None and self.cache.decode_kernel and decode_attention_fits(q, keys):
+            return decode_attention(q, keys, values)
         causal = self.mask is None and self.n_new > 1  # then start_pos == 0: plain causal prefill
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, is_causal=causal, enable_gqa=True)
 

@@ -56,10 +56,16 @@ def rope_frequencies(config: ModelConfig) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: (B, H, T, D); cos, sin: (B, 1, T, D); rotate-half layout, as HF checkpoints store q/k
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    # x: (B, H, T, D); cos, sin: (B, 1, T, D), sin negated on its first half (Transformer.reset_rope).
+    # Rotate-half layout, as HF checkpoints store q/k: x * cos + (-x2, x1) * sin, the sign being in `sin`
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def linear_after_norm(linear: nn.Module, norm: RMSNorm, x: Tensor) -> Tensor:
+    """linear(norm(x)), in one call where the linear's kernel normalizes its input rows itself."""
+    if getattr(linear, "fuses_norm", False):
+        return linear(x, norm)
+    return linear(norm(x))
 
 
 class Attention(nn.Module):
@@ -72,9 +78,9 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.dim, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.wo = nn.Linear(q_size, config.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+    def forward(self, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         B, T, _ = x.shape
-        qk, v = self.wqkv(x).split(self.split, dim=-1)
+        qk, v = linear_after_norm(self.wqkv, norm, x).split(self.split, dim=-1)
         # q and k heads rotated together: (B, n_heads + n_kv_heads, T, head_dim)
         qk = apply_rope(qk.view(B, T, self.n_heads + self.n_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
@@ -89,8 +95,8 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)  # gate and up, fused
         self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+    def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
+        gate, up = linear_after_norm(self.w13, norm, x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
@@ -103,8 +109,8 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, attend)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.attention(x, self.attention_norm, cos, sin, attend)
+        return h + self.feed_forward(h, self.ffn_norm)
 
 
 class Transformer(nn.Module):
@@ -120,7 +126,7 @@ class Transformer(nn.Module):
         self.reset_rope()
 
     def reset_rope(self) -> None:
-        """(Re)build the cos/sin tables in fp32, stored in the weights' dtype and device.
+        """(Re)build the cos/sin tables (max_seq_len, head_dim) in fp32, stored in the weights' dtype and device.
 
         Loaders call it again once the weights are materialized: a model built on the meta device
         has meta tables.
@@ -129,8 +135,10 @@ class Transformer(nn.Module):
         positions = torch.arange(self.config.max_seq_len, dtype=torch.float32, device=weight.device)
         angles = torch.outer(positions, rope_frequencies(self.config).to(weight.device))
         angles = torch.cat((angles, angles), dim=-1)  # (max_seq_len, head_dim)
+        sin = angles.sin()
+        sin[:, : self.config.head_dim // 2] *= -1  # the rotate-half sign (apply_rope)
         self.register_buffer("rope_cos", angles.cos().to(weight.dtype), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(weight.dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(weight.dtype), persistent=False)
 
     def forward(self, tokens: Tensor, positions: Tensor, attend: Attend = causal_attend,
                 last_only: bool = False) -> Tensor:
@@ -142,4 +150,4 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, attend)
         if last_only:
             x = x[:, -1:]
-        return self.output(self.norm(x))
+        return linear_after_norm(self.output, self.norm, x)

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from inferlab.engine.kernels import gemv, gemv_fits
+from inferlab.model.transformer import RMSNorm
 from inferlab.quant.kernels import int8_kernel_fits, int8_mm
 
 
@@ -35,7 +37,13 @@ class Int8Linear(nn.Module):
     def dequantize(self) -> Tensor:
         return self.weight.float() * self.scales.float()[:, None]
 
-    def forward(self, x: Tensor) -> Tensor:
+    fuses_norm = True  # model/transformer.py: linear_after_norm
+
+    def forward(self, x: Tensor, norm: RMSNorm | None = None) -> Tensor:
+        if self.use_kernel and gemv_fits(x, self.weight):  # decode: one pass over the int8 rows
+            return gemv(x, self.weight, self.scales, self.bias, norm)
+        if norm is not None:
+            x = norm(x)
         if self.use_kernel and int8_kernel_fits(x.device, x.dtype):
             y = int8_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             y = y.view(*x.shape[:-1], self.out_features)

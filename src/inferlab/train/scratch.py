@@ -18,7 +18,8 @@ from inferlab.model.config import ModelConfig
 from inferlab.model.tokenizer import Tokenizer
 from inferlab.model.transformer import Transformer
 from inferlab.train.checkpoint import count_parameters, save_checkpoint
-from inferlab.train.corpus import cache_dir, load_tokens, split_documents
+from inferlab.paths import cache_dir
+from inferlab.train.corpus import load_tokens, split_documents
 from inferlab.train.data import random_windows
 from inferlab.train.loop import LoopConfig, train
 from inferlab.train.losses import agreement, distill_loss, lm_loss

@@ -20,7 +20,7 @@ from inferlab.bench.studies.common import (decode_loop, decode_rate, median_of, 
                                            require)
 from inferlab.engine.engine import InferenceEngine
 from inferlab.quant.apply import weight_bytes
-from inferlab.train.corpus import cache_dir
+from inferlab.paths import cache_dir
 
 Runner = Callable[[list[int], int], list[float]]  # (prompt ids, new tokens) -> token arrival times
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
