@@ -7,6 +7,7 @@ from torch import nn
 from inferlab.engine.kernels import (GEMV_MAX_ROWS, GemvLinear, cpu_gemv_available, decode_attention,
                                      decode_attention_fits, gemv, select_kernels)
 from inferlab.model.transformer import RMSNorm, linear_after_norm
+from inferlab.quant.int4 import dequantize_groups_int4, pack_nibbles
 from inferlab.quant.int8 import Int8Linear
 
 from conftest import tiny_engine
@@ -16,36 +17,43 @@ needs_gemv = pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
-def reference(x, weight, scales, bias, norm):
-    """What the kernel computes, in fp64: rmsnorm(x) @ (weight * scales).T + bias."""
+def reference(x, weight, bias, norm):
+    """What the kernel computes, in fp64: rmsnorm(x) @ weight.T + bias."""
     x = x.double()
     if norm is not None:
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
-    w = weight.double() if scales is None else weight.double() * scales.double()[:, None]
-    return F.linear(x, w, None if bias is None else bias.double())
+    return F.linear(x, weight.double(), None if bias is None else bias.double())
 
 
 @needs_gemv
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("weight_kind", ["dense", "int8"])
+@pytest.mark.parametrize("weight_kind", ["dense", "int8", "int4"])
 @pytest.mark.parametrize("rows", range(1, GEMV_MAX_ROWS + 1))
 @pytest.mark.parametrize("extras", ["none", "bias", "norm", "bias+norm"])
 def test_gemv_equals_reference(dtype, weight_kind, rows, extras):
     torch.manual_seed(rows)
     n, k = 203, 96  # 203 rows: the 4-row tiles leave a tail
     x = torch.randn(1, rows, k).to(dtype)
+    mins, group_size = None, 0
     if weight_kind == "int8":
         weight, scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) / 100
+        dense = weight.double() * scales.double()[:, None]
+    elif weight_kind == "int4":
+        group_size = 32
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scales, mins = torch.rand(n, k // group_size) / 50, -torch.rand(n, k // group_size) / 7
+        weight, dense = pack_nibbles(codes), dequantize_groups_int4(codes, scales, mins)
     else:
         weight, scales = torch.randn(n, k).to(dtype) / k ** 0.5, None
+        dense = weight
     bias = torch.randn(n).to(dtype) if "bias" in extras else None
     norm = None
     if "norm" in extras:
         norm = RMSNorm(k, 1e-5)
         norm.weight.data = (torch.rand(k) + 0.5).to(dtype)
-    y = gemv(x, weight, scales, bias, norm)
+    y = gemv(x, weight, scales, bias, norm, mins, group_size)
     assert y.shape == (1, rows, n) and y.dtype == dtype
-    expected = reference(x, weight, scales, bias, norm)
+    expected = reference(x, dense, bias, norm)
     scale = expected.abs().max().item()
     assert (y.double() - expected).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1.0)
 

@@ -11,6 +11,7 @@ from inferlab.api import compose, load_engine
 from inferlab.model.loader import LoadedModel, load_model
 from inferlab.quant import Int4GroupLinear, Int8Linear, quantize_model
 from inferlab.quant.gguf_q4 import read_q4_1_linears
+from inferlab.quant.kernels import int4_layout
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"
@@ -64,5 +65,7 @@ def test_precision_int4_config_runs_the_kernels(fp32):
     engine = load_engine(precision="int4", device="cpu", **{"cache.max_seq_len": 256})
     quantized = [m for m in engine.model.modules() if isinstance(m, (Int8Linear, Int4GroupLinear))]
     assert len(quantized) == 4 * fp32.config.n_layers + 1
-    assert all(getattr(m, "layout", "cpu") == "cpu" for m in quantized)
+    layout = int4_layout(torch.device("cpu"), torch.bfloat16, 576, 576)
+    assert all(m.layout == layout for m in quantized if isinstance(m, Int4GroupLinear))
+    assert all(m.use_kernel for m in quantized)
     assert next_token_logits(fp32, engine.model).argmax() == next_token_logits(fp32, fp32.model).argmax()

@@ -3,8 +3,8 @@
 Decoding multiplies a handful of activation rows by every weight matrix, so its speed is how fast
 the weights stream from memory. On CPU the library paths fall well short of that for these
 matrix-vector products (measured on the 121 matrices of SmolLM2-135M, 2 threads: F.linear fp32
-13.5 GB/s, oneDNN-prepacked 17.3), so inferlab builds its own AVX2 kernel (csrc/gemv.cpp: fp32, bf16
-and int8 weights, one pass over each row) on first use and caches the build. It takes calls of at
+13.5 GB/s, oneDNN-prepacked 17.3), so inferlab builds its own AVX2 kernel (csrc/gemv.cpp: fp32, bf16,
+int8 and int4 weights, one pass over each row) on first use and caches the build. It takes calls of at
 most GEMV_MAX_ROWS rows; prompts and large batches are GEMMs, where `F.linear` is the right tool.
 `kernels=portable`, other devices, and machines without AVX2 or a C++ compiler keep `F.linear`.
 """
@@ -53,20 +53,23 @@ def cpu_gemv_available() -> bool:
     return True
 
 
-def gemv_fits(x: Tensor, weight: Tensor) -> bool:
+def gemv_fits(x: Tensor, in_features: int) -> bool:
     """The kernel covers this call: CPU, at most GEMV_MAX_ROWS rows, K a multiple of 16 up to 8192."""
-    k = weight.shape[1]
+    k = in_features
     return (x.device.type == "cpu" and x.numel() <= GEMV_MAX_ROWS * k and k % GEMV_K_STEP == 0 and k <= GEMV_MAX_K
             and x.dtype in (torch.float32, torch.bfloat16) and cpu_gemv_available())
 
 
-def gemv(x: Tensor, weight: Tensor, scales: Tensor | None, bias: Tensor | None, norm: RMSNorm | None) -> Tensor:
-    """rmsnorm(x) @ weight.T * scales + bias, each part only when given, in one pass over the weight.
+def gemv(x: Tensor, weight: Tensor, scales: Tensor | None, bias: Tensor | None, norm: RMSNorm | None,
+         mins: Tensor | None = None, group_size: int = 0) -> Tensor:
+    """rmsnorm(x) @ W.T * scales + bias, each part only when given, in one pass over the weight.
 
-    x: (..., K) fp32 | bf16; weight: (N, K) fp32 | bf16 | int8; scales, bias: (N,) -> (..., N) in x's dtype
+    x: (..., K) fp32 | bf16 -> (..., N) in x's dtype. W is `weight` (N, K) fp32 | bf16 | int8 with
+    per-row `scales` (N,) for int8; or int4: `weight` uint8 (N, K / 2) nibble codes (quant/int4.py's
+    pack_nibbles) with `scales`, `mins` (N, K / group_size), w = q * scale + min.
     """
     norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
-    return torch.ops.inferlab.gemv(x, weight, scales, bias, norm_weight, eps)
+    return torch.ops.inferlab.gemv(x, weight, scales, bias, norm_weight, eps, mins, group_size)
 
 
 def decode_attention_fits(q: Tensor, keys: Tensor) -> bool:
@@ -96,7 +99,7 @@ class GemvLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None) -> Tensor:
-        if gemv_fits(x, self.weight):
+        if gemv_fits(x, self.in_features):
             return gemv(x, self.weight, None, self.bias, norm)
         return F.linear(x if norm is None else norm(x), self.weight, self.bias)
 

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from inferlab.engine.kernels import gemv, gemv_fits
 from inferlab.errors import QuantizationError
+from inferlab.model.transformer import RMSNorm
 from inferlab.quant.kernels import int4_layout, int4_mm, int4pack_scales_and_zeros, to_int4pack
 
 GROUP_SIZES = (32, 64, 128)
@@ -65,14 +67,15 @@ class Int4GroupLinear(nn.Module):
         check_group_size(group_size, linear.in_features)
         weight = linear.weight
         q, scales, mins = codes if codes is not None else quantize_groups_int4(weight.detach(), group_size)
-        q, scales, mins = q.to(weight.device), scales.to(weight.device, weight.dtype), mins.to(weight.device, weight.dtype)
         self.in_features, self.out_features, self.group_size = linear.in_features, linear.out_features, group_size
         self.layout = int4_layout(weight.device, weight.dtype, self.out_features, self.in_features) if use_kernel else "rows"
-        if self.layout == "rows":
-            self.register_buffer("weight", pack_nibbles(q))  # (N, K/2)
-            self.register_buffer("scales", scales)  # (N, G)
-            self.register_buffer("mins", mins)
+        self.use_kernel = use_kernel
+        if self.layout == "rows":  # scales and mins kept in fp32: the kernel reads them so, the reference too
+            self.register_buffer("weight", pack_nibbles(q.to(weight.device)))  # (N, K/2)
+            self.register_buffer("scales", scales.to(weight.device, torch.float32))  # (N, G)
+            self.register_buffer("mins", mins.to(weight.device, torch.float32))
         else:
+            q, scales, mins = q.to(weight.device), scales.to(weight.device, weight.dtype), mins.to(weight.device, weight.dtype)
             self.register_buffer("weight", to_int4pack(q, self.layout))
             self.register_buffer("scales_and_zeros", int4pack_scales_and_zeros(scales, mins))  # (G, N, 2)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
@@ -83,7 +86,13 @@ class Int4GroupLinear(nn.Module):
             raise QuantizationError(f"weights in the {self.layout} int4pack layout are opaque; build with use_kernel=False")
         return dequantize_groups_int4(unpack_nibbles(self.weight), self.scales, self.mins)
 
-    def forward(self, x: Tensor) -> Tensor:
+    fuses_norm = True  # model/transformer.py: linear_after_norm
+
+    def forward(self, x: Tensor, norm: RMSNorm | None = None) -> Tensor:
+        if self.layout == "rows" and self.use_kernel and gemv_fits(x, self.in_features):  # decode
+            return gemv(x, self.weight, self.scales, self.bias, norm, self.mins, self.group_size)
+        if norm is not None:
+            x = norm(x)
         if self.layout == "rows":
             return F.linear(x, self.dequantize().to(x.dtype), self.bias)
         if x.device.type != self.layout:

@@ -40,7 +40,7 @@ class Int8Linear(nn.Module):
     fuses_norm = True  # model/transformer.py: linear_after_norm
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None) -> Tensor:
-        if self.use_kernel and gemv_fits(x, self.weight):  # decode: one pass over the int8 rows
+        if self.use_kernel and gemv_fits(x, self.in_features):  # decode: one pass over the int8 rows
             return gemv(x, self.weight, self.scales, self.bias, norm)
         if norm is not None:
             x = norm(x)

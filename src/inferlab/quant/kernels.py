@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from inferlab.engine.kernels import cpu_gemv_available
+
 INT4_OFFSET = 8  # the int4pack kernels compute w = (q - 8) * scale + zero
 
 
@@ -27,7 +29,13 @@ def int8_mm(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 
 
 def int4_layout(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int) -> str:
-    """"cpu" or "cuda" (that kernel's packed layout) when it covers this layer, else "rows" (reference)."""
+    """How a layer's int4 weights are stored, for the kernel that will read them.
+
+    "rows": nibble rows, read by the CPU decode kernel (engine/csrc/gemv.cpp) where it is built, and by
+    the dequantize-then-linear reference; "cpu" / "cuda": aten's opaque int4pack layouts.
+    """
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_gemv_available():
+        return "rows"
     if device.type == "cpu" and dtype == torch.bfloat16 and out_features % 16 == 0:
         return "cpu"
     if device.type == "cuda" and dtype == torch.bfloat16 and out_features % 8 == 0 and in_features % 32 == 0:
