@@ -6,7 +6,7 @@ from torch import nn
 
 from inferlab.engine.kernels import (GEMV_MAX_ROWS, GemvLinear, cpu_gemv_available, decode_attention,
                                      decode_attention_fits, gemv, select_kernels)
-from inferlab.model.transformer import RMSNorm, linear_after_norm
+from inferlab.model.transformer import RMSNorm, linear_after_norm, linear_after_swiglu
 from inferlab.quant.int4 import dequantize_groups_int4, pack_nibbles
 from inferlab.quant.int8 import Int8Linear
 
@@ -17,23 +17,32 @@ needs_gemv = pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
-def reference(x, weight, bias, norm):
-    """What the kernel computes, in fp64: rmsnorm(x) @ weight.T + bias."""
+def prepare(x, norm, gated=False):
+    """The kernel's input rows, in fp64: rmsnorm(x), or silu(gate) * up."""
     x = x.double()
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
     if norm is not None:
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
-    return F.linear(x, weight.double(), None if bias is None else bias.double())
+    return x
+
+
+def int16_code_error(x, weight):
+    """Bound on what int16 activation codes (x / max|x| * 16383, rounded) change in x @ weight.T."""
+    return (x.abs().amax(-1, keepdim=True) / 2 / 16383 * weight.abs().sum(1)).max().item()
 
 
 @needs_gemv
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight_kind", ["dense", "int8", "int4"])
 @pytest.mark.parametrize("rows", range(1, GEMV_MAX_ROWS + 1))
-@pytest.mark.parametrize("extras", ["none", "bias", "norm", "bias+norm"])
+@pytest.mark.parametrize("extras", ["none", "bias", "norm", "bias+norm", "gated"])
 def test_gemv_equals_reference(dtype, weight_kind, rows, extras):
     torch.manual_seed(rows)
     n, k = 203, 96  # 203 rows: the 4-row tiles leave a tail
-    x = torch.randn(1, rows, k).to(dtype)
+    gated = extras == "gated"
+    x = torch.randn(1, rows, 2 * k if gated else k).to(dtype)
     mins, group_size = None, 0
     if weight_kind == "int8":
         weight, scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) / 100
@@ -51,47 +60,56 @@ def test_gemv_equals_reference(dtype, weight_kind, rows, extras):
     if "norm" in extras:
         norm = RMSNorm(k, 1e-5)
         norm.weight.data = (torch.rand(k) + 0.5).to(dtype)
-    y = gemv(x, weight, scales, bias, norm, mins, group_size)
+    y = gemv(x, weight, scales, bias, norm, gated, mins, group_size)
     assert y.shape == (1, rows, n) and y.dtype == dtype
-    expected = reference(x, dense, bias, norm)
-    scale = expected.abs().max().item()
-    assert (y.double() - expected).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1.0)
+    prepared = prepare(x, norm, gated)
+    expected = F.linear(prepared, dense.double(), None if bias is None else bias.double())
+    tolerance = TOLERANCE[dtype] * max(expected.abs().max().item(), 1.0)
+    if weight_kind != "dense":  # integer formats take int16 activation codes
+        tolerance += int16_code_error(prepared, dense.double())
+    assert (y.double() - expected).abs().max().item() <= tolerance
 
 
 @needs_gemv
 def test_gemv_leaves_its_input_alone_and_refuses_what_it_does_not_cover():
     x = torch.randn(1, 64)
     before = x.clone()
-    gemv(x, torch.randn(10, 64), None, None, RMSNorm(64, 1e-6))
-    assert torch.equal(x, before)  # the norm is applied to a copy
+    gemv(x, torch.randn(10, 64), None, None, RMSNorm(64, 1e-6), False)
+    gemv(x, torch.randn(10, 32), None, None, None, True)
+    assert torch.equal(x, before)  # the norm and the gating are applied to a copy
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        gemv(torch.randn(1, 12), torch.randn(4, 12), None, None, None)
+        gemv(torch.randn(1, 12), torch.randn(4, 12), None, None, None, False)
     with pytest.raises(RuntimeError, match="activation rows"):
-        gemv(torch.randn(GEMV_MAX_ROWS + 1, 64), torch.randn(4, 64), None, None, None)
+        gemv(torch.randn(GEMV_MAX_ROWS + 1, 64), torch.randn(4, 64), None, None, None, False)
 
 
 @needs_gemv
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("length", [1, 7, 8, 77, 600])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
-def test_decode_attention_equals_sdpa(dtype, length, heads):
-    """One query over a slice of a larger cache (strided views, as the KV cache hands them out), GQA groups."""
+def test_decode_attention_writes_the_step_and_equals_sdpa(dtype, length, heads):
+    """One query over slots of a larger cache (strided views, as the KV cache hands them out), GQA groups."""
     torch.manual_seed(length)
     (n_heads, n_kv_heads), batch, head_dim, capacity = heads, 2, 64, 640
+    cache_k, cache_v = (torch.randn(batch + 1, n_kv_heads, capacity, head_dim).to(dtype) * 3 for _ in range(2))
+    k_view, v_view = cache_k[1:], cache_v[1:]  # slots 1 and 2 of 3
     q = torch.randn(batch, n_heads, 1, head_dim).to(dtype)
-    cache_k, cache_v = (torch.randn(batch, n_kv_heads, capacity, head_dim).to(dtype) * 3 for _ in range(2))
-    keys, values = cache_k[:, :, :length], cache_v[:, :, :length]
-    assert decode_attention_fits(q, keys)
-    out = decode_attention(q, keys, values)
-    expected = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), enable_gqa=True)
+    k, v = (torch.randn(batch, n_kv_heads, 1, head_dim).to(dtype) for _ in range(2))
+    untouched = cache_k[0].clone(), cache_k[1:, :, length:].clone()
+    assert decode_attention_fits(q, cache_k)
+    out = decode_attention(q, k, v, k_view, v_view, length - 1)
+    assert torch.equal(k_view[:, :, length - 1:length], k) and torch.equal(v_view[:, :, length - 1:length], v)
+    assert torch.equal(cache_k[0], untouched[0]) and torch.equal(cache_k[1:, :, length:], untouched[1])
+    keys, values = k_view[:, :, :length].double(), v_view[:, :, :length].double()
+    expected = F.scaled_dot_product_attention(q.double(), keys, values, enable_gqa=True)
     assert out.shape == expected.shape and out.dtype == dtype
     assert (out.double() - expected).abs().max() <= TOLERANCE[dtype] * 3
 
 
 @needs_gemv
 @pytest.mark.parametrize("shape", [(1, 64), (1, 3, 64), (2, 7, 64), (40, 64)])
-def test_gemv_linear_matches_linear_after_norm_for_any_batch(shape):
-    """Few rows take the kernel, more rows `F.linear`: either way linear(norm(x))."""
+def test_gemv_linear_matches_the_unfused_ops_for_any_batch(shape):
+    """Few rows take the kernel, more rows `F.linear`: either way linear(norm(x)), linear(silu(g) * u)."""
     torch.manual_seed(0)
     linear, norm = nn.Linear(64, 72, bias=True), RMSNorm(64, 1e-6)
     norm.weight.data = torch.rand(64) + 0.5
@@ -100,6 +118,9 @@ def test_gemv_linear_matches_linear_after_norm_for_any_batch(shape):
         expected = linear(norm(x))
         assert torch.allclose(linear_after_norm(GemvLinear(linear), norm, x), expected, atol=1e-5)
         assert torch.allclose(GemvLinear(linear)(x), linear(x), atol=1e-5)
+        gate_up = torch.cat((x, x.flip(-1)), dim=-1)
+        expected = linear(F.silu(x) * x.flip(-1))
+        assert torch.allclose(linear_after_swiglu(GemvLinear(linear), gate_up), expected, atol=1e-5)
 
 
 @needs_gemv

@@ -61,47 +61,58 @@ def gemv_fits(x: Tensor, in_features: int) -> bool:
 
 
 def gemv(x: Tensor, weight: Tensor, scales: Tensor | None, bias: Tensor | None, norm: RMSNorm | None,
-         mins: Tensor | None = None, group_size: int = 0) -> Tensor:
-    """rmsnorm(x) @ W.T * scales + bias, each part only when given, in one pass over the weight.
+         gated: bool, mins: Tensor | None = None, group_size: int = 0) -> Tensor:
+    """prepare(x) @ W.T * scales + bias, each part only when given, in one pass over the weight.
 
+    prepare = rmsnorm with `norm`; with `gated`, x is [gate, up] (..., 2K) and prepare = silu(gate) * up.
     x: (..., K) fp32 | bf16 -> (..., N) in x's dtype. W is `weight` (N, K) fp32 | bf16 | int8 with
     per-row `scales` (N,) for int8; or int4: `weight` uint8 (N, K / 2) nibble codes (quant/int4.py's
     pack_nibbles) with `scales`, `mins` (N, K / group_size), w = q * scale + min.
     """
     norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
-    return torch.ops.inferlab.gemv(x, weight, scales, bias, norm_weight, eps, mins, group_size)
+    return torch.ops.inferlab.gemv(x, weight, scales, bias, norm_weight, eps, mins, group_size, gated)
 
 
-def decode_attention_fits(q: Tensor, keys: Tensor) -> bool:
+def prepared_input(x: Tensor, norm: RMSNorm | None, gated: bool) -> Tensor:
+    """What a fused kernel does to its input, for the paths that run it as separate ops."""
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x if norm is None else norm(x)
+
+
+def decode_attention_fits(q: Tensor, k_cache: Tensor) -> bool:
     """One query per sequence, fp32 or bf16, head_dim a multiple of 8 up to 256, on a CPU with the kernels."""
     d = q.shape[-1]
-    return (q.shape[2] == 1 and q.dtype == keys.dtype and q.dtype in (torch.float32, torch.bfloat16)
-            and d % 8 == 0 and d <= DECODE_ATTENTION_MAX_HEAD_DIM and keys.device.type == "cpu" and cpu_gemv_available())
+    return (q.shape[2] == 1 and q.dtype == k_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
+            and d % 8 == 0 and d <= DECODE_ATTENTION_MAX_HEAD_DIM and k_cache.device.type == "cpu"
+            and cpu_gemv_available())
 
 
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-    """softmax(q k^T / sqrt(d)) v for one query per sequence over every cached key (no mask: all are visible).
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int) -> Tensor:
+    """Write this step's k, v at `pos` of the caches, then softmax(q K^T / sqrt(d)) V over positions 0..pos.
 
-    q: (B, H, 1, D); keys, values: (B, H_kv, L, D), H a multiple of H_kv -> (B, H, 1, D)
+    q: (B, H, 1, D); k, v: (B, H_kv, 1, D); k_cache, v_cache: (B, H_kv, S, D) views, written in place;
+    H a multiple of H_kv -> (B, H, 1, D)
     """
-    return torch.ops.inferlab.decode_attention(q, keys, values, q.shape[-1] ** -0.5)
+    return torch.ops.inferlab.decode_attention(q, k, v, k_cache, v_cache, pos, q.shape[-1] ** -0.5)
 
 
 class GemvLinear(nn.Module):
-    """An nn.Linear that decodes through the CPU kernel (with the RMSNorm before it fused in) and leaves
-    larger products to `F.linear`."""
+    """An nn.Linear that decodes through the CPU kernel (with the RMSNorm or SwiGLU before it fused in)
+    and leaves larger products to `F.linear`."""
 
-    fuses_norm = True  # model/transformer.py: linear_after_norm
+    fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_swiglu
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
 
-    def forward(self, x: Tensor, norm: RMSNorm | None = None) -> Tensor:
-        if gemv_fits(x, self.in_features):
-            return gemv(x, self.weight, None, self.bias, norm)
-        return F.linear(x if norm is None else norm(x), self.weight, self.bias)
+    def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
+        if gemv_fits(x, self.in_features * (1 + gated)):
+            return gemv(x, self.weight, None, self.bias, norm, gated)
+        return F.linear(prepared_input(x, norm, gated), self.weight, self.bias)
 
 
 def fast_kernels_apply(device: torch.device, dtype: torch.dtype, kernels: str) -> bool:

@@ -58,7 +58,7 @@ class CachedAttend:
     cache: KVCache
     start_pos: int
     n_new: int
-    slots: slice = field(default_factory=lambda: slice(0, 1))
+    slots: slice = field(default_factory=lambda: slice(0, 1))  # a slice: indexing it gives views
     key_mask: Tensor | None = None
     mask: Tensor | None = field(init=False, default=None)
 
@@ -74,9 +74,12 @@ class CachedAttend:
             self.mask = mask.unsqueeze(1)  # (B or 1, 1, T, end)
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        keys, values = self.cache.update(layer_idx, k, v, self.start_pos, self.slots)
-        if self.n_new == 1 and self.mask is None and self.cache.decode_kernel and decode_attention_fits(q, keys):
-            return decode_attention(q, keys, values)
+        cache = self.cache
+        if self.n_new == 1 and self.mask is None and cache.decode_kernel and decode_attention_fits(q, cache.k):
+            # one call writes this step's k/v into the slots' buffers and attends (slots is a slice: views)
+            return decode_attention(q, k, v, cache.k_layers[layer_idx][self.slots],
+                                    cache.v_layers[layer_idx][self.slots], self.start_pos)
+        keys, values = cache.update(layer_idx, k, v, self.start_pos, self.slots)
         causal = self.mask is None and self.n_new > 1  # then start_pos == 0: plain causal prefill
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, is_causal=causal, enable_gqa=True)
 

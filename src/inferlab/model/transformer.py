@@ -63,9 +63,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def linear_after_norm(linear: nn.Module, norm: RMSNorm, x: Tensor) -> Tensor:
     """linear(norm(x)), in one call where the linear's kernel normalizes its input rows itself."""
-    if getattr(linear, "fuses_norm", False):
-        return linear(x, norm)
+    if getattr(linear, "fuses_input", False):
+        return linear(x, norm=norm)
     return linear(norm(x))
+
+
+def linear_after_swiglu(linear: nn.Module, gate_up: Tensor) -> Tensor:
+    """linear(silu(gate) * up) for gate_up = [gate, up], in one call where the linear's kernel gates its input."""
+    if getattr(linear, "fuses_input", False):
+        return linear(gate_up, gated=True)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return linear(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -96,8 +104,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)
 
     def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
-        gate, up = linear_after_norm(self.w13, norm, x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return linear_after_swiglu(self.w2, linear_after_norm(self.w13, norm, x))
 
 
 class Block(nn.Module):

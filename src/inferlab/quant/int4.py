@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferlab.engine.kernels import gemv, gemv_fits
+from inferlab.engine.kernels import gemv, gemv_fits, prepared_input
 from inferlab.errors import QuantizationError
 from inferlab.model.transformer import RMSNorm
 from inferlab.quant.kernels import int4_layout, int4_mm, int4pack_scales_and_zeros, to_int4pack
@@ -86,13 +86,12 @@ class Int4GroupLinear(nn.Module):
             raise QuantizationError(f"weights in the {self.layout} int4pack layout are opaque; build with use_kernel=False")
         return dequantize_groups_int4(unpack_nibbles(self.weight), self.scales, self.mins)
 
-    fuses_norm = True  # model/transformer.py: linear_after_norm
+    fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_swiglu
 
-    def forward(self, x: Tensor, norm: RMSNorm | None = None) -> Tensor:
-        if self.layout == "rows" and self.use_kernel and gemv_fits(x, self.in_features):  # decode
-            return gemv(x, self.weight, self.scales, self.bias, norm, self.mins, self.group_size)
-        if norm is not None:
-            x = norm(x)
+    def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
+        if self.layout == "rows" and self.use_kernel and gemv_fits(x, self.in_features * (1 + gated)):  # decode
+            return gemv(x, self.weight, self.scales, self.bias, norm, gated, self.mins, self.group_size)
+        x = prepared_input(x, norm, gated)
         if self.layout == "rows":
             return F.linear(x, self.dequantize().to(x.dtype), self.bias)
         if x.device.type != self.layout:

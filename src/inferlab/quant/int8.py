@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferlab.engine.kernels import gemv, gemv_fits
+from inferlab.engine.kernels import gemv, gemv_fits, prepared_input
 from inferlab.model.transformer import RMSNorm
 from inferlab.quant.kernels import int8_kernel_fits, int8_mm
 
@@ -37,13 +37,12 @@ class Int8Linear(nn.Module):
     def dequantize(self) -> Tensor:
         return self.weight.float() * self.scales.float()[:, None]
 
-    fuses_norm = True  # model/transformer.py: linear_after_norm
+    fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_swiglu
 
-    def forward(self, x: Tensor, norm: RMSNorm | None = None) -> Tensor:
-        if self.use_kernel and gemv_fits(x, self.in_features):  # decode: one pass over the int8 rows
-            return gemv(x, self.weight, self.scales, self.bias, norm)
-        if norm is not None:
-            x = norm(x)
+    def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
+        if self.use_kernel and gemv_fits(x, self.in_features * (1 + gated)):  # decode: one pass over the rows
+            return gemv(x, self.weight, self.scales, self.bias, norm, gated)
+        x = prepared_input(x, norm, gated)
         if self.use_kernel and int8_kernel_fits(x.device, x.dtype):
             y = int8_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             y = y.view(*x.shape[:-1], self.out_features)

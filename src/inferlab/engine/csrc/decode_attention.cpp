@@ -1,4 +1,5 @@
-// Attention for decoding on AVX2 CPUs: one new query per sequence over all its cached keys.
+// Attention for decoding on AVX2 CPUs: one new query per sequence over all its cached keys, this
+// step's key and value written into the cache first.
 //
 // With a single query there is nothing to tile: each head is one pass over its keys (scores), a
 // softmax, and one pass over its values. The library's flash-attention kernel spends most of its
@@ -8,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -78,31 +80,47 @@ void attend_head(const T* q, const T* k, const T* v, int64_t L, int64_t D, int64
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(result[d]);
 }
 
-// q (B, H, 1, D); k, v (B, H_kv, L, D) views with unit stride along D, H a multiple of H_kv -> (B, H, 1, D)
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+// Write this step's k, v (B, H_kv, 1, D) at position `pos` of the caches (B, H_kv, S, D) (views with unit
+// stride along D), then attend q (B, H, 1, D) over positions 0..pos; H a multiple of H_kv -> (B, H, 1, D)
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, int64_t pos, double scale) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "decode_attention: q must be (B, H, 1, D)");
-  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes(), "decode_attention: k and v must both be (B, H_kv, L, D)");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), H_kv = k.size(1), L = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % H_kv == 0, "decode_attention: q and k/v shapes disagree");
+  TORCH_CHECK(k.dim() == 4 && k.size(2) == 1 && k.sizes() == v.sizes(), "decode_attention: k and v must be (B, H_kv, 1, D)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "decode_attention: the caches must be (B, H_kv, S, D)");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), H_kv = k.size(1), L = pos + 1;
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && k_cache.size(0) == B && k_cache.size(1) == H_kv &&
+              k_cache.size(3) == D && H % H_kv == 0, "decode_attention: q, k/v and cache shapes disagree");
+  TORCH_CHECK(pos >= 0 && pos < k_cache.size(2), "decode_attention: position ", pos, " is outside the cache");
   TORCH_CHECK(D % 8 == 0 && D <= kMaxHeadDim, "decode_attention: head_dim must be a multiple of 8 up to 256");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "decode_attention: caches must be contiguous along D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+              v.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "decode_attention: q, k, v and the caches must share a dtype");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v must be contiguous along D");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-              "decode_attention: q, k and v must share a dtype");
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty({B, H, 1, D}, q.options());
   const int64_t group = H / H_kv;
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* qp = qc.data_ptr<T>();
-    const T* kp = k.data_ptr<T>();
-    const T* vp = v.data_ptr<T>();
+    const T* kp = k_cache.data_ptr<T>();
+    const T* vp = v_cache.data_ptr<T>();
     T* op = out.data_ptr<T>();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H_kv; ++h) {
+        const T* k_new = k.data_ptr<T>() + b * k.stride(0) + h * k.stride(1);
+        const T* v_new = v.data_ptr<T>() + b * v.stride(0) + h * v.stride(1);
+        std::copy(k_new, k_new + D, k_cache.data_ptr<T>() + b * k_cache.stride(0) + h * k_cache.stride(1) + pos * k_cache.stride(2));
+        std::copy(v_new, v_new + D, v_cache.data_ptr<T>() + b * v_cache.stride(0) + h * v_cache.stride(1) + pos * v_cache.stride(2));
+      }
+    }
     const int64_t grain = B * H * L < kKeysPerThread ? B * H : 1;
     at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / H, h = i % H, h_kv = h / group;
-        attend_head(qp + i * D, kp + b * k.stride(0) + h_kv * k.stride(1), vp + b * v.stride(0) + h_kv * v.stride(1),
-                    L, D, k.stride(2), v.stride(2), static_cast<float>(scale), op + i * D);
+        attend_head(qp + i * D, kp + b * k_cache.stride(0) + h_kv * k_cache.stride(1),
+                    vp + b * v_cache.stride(0) + h_kv * v_cache.stride(1), L, D, k_cache.stride(2), v_cache.stride(2),
+                    static_cast<float>(scale), op + i * D);
       }
     });
   };
@@ -117,7 +135,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferlab, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, float scale) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferlab, CPU, m) {

@@ -7,8 +7,8 @@
 // window, sets the pace (measured here: int8 rows stream ~2x faster with them). fp32 and bf16
 // weights are widened to fp32 and fused-multiply-added; int8 and int4 weights meet int16 activation
 // codes in exact integer multiply-adds (one instruction per 16 weights), int4 with a float scale and
-// min per group as GGUF's Q4_1 defines them. The RMSNorm that precedes every
-// projection is applied to the activations first, so it costs no separate pass. Rows are split
+// min per group as GGUF's Q4_1 defines them. What precedes each projection (the RMSNorm, or the
+// SwiGLU before w2) is applied to the activations first, so it costs no separate call. Rows are split
 // across torch's intra-op threads.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -245,25 +245,38 @@ void rms_normalize(float* x, int64_t M, int64_t K, const float* norm_weight, dou
   }
 }
 
+// Each row [gate, up] of x (M, 2K) -> silu(gate) * up (M, K), packed to the front: the SwiGLU before w2
+void swiglu(float* x, int64_t M, int64_t K) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* gate = x + m * 2 * K;
+    const float* up = gate + K;
+    float* out = x + m * K;  // never ahead of the values it reads
+    for (int64_t k = 0; k < K; ++k) out[k] = gate[k] / (1.0f + std::exp(-gate[k])) * up[k];
+  }
+}
+
 // y = rmsnorm(x) @ W.T * scales + bias, each step only when given, W in one of four formats:
 //   fp32, bf16 or int8 (N, K), with `scales` (N,) for int8; or uint8 (N, K / 2) int4 codes with
 //   `scales` and `mins` (N, K / group_size). x (..., K) fp32 or bf16; bias (N,); norm_weight (K,).
+// `gated`: x is (..., 2K), [gate, up], and the product is taken with silu(gate) * up (SwiGLU).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
                 const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& norm_weight, double eps,
-                const std::optional<at::Tensor>& mins, int64_t group_size) {
+                const std::optional<at::Tensor>& mins, int64_t group_size, bool gated) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "gemv: weight must be a contiguous (N, K) matrix");
   const bool int4 = weight.scalar_type() == at::kByte;
   const int64_t N = weight.size(0), K = int4 ? 2 * weight.size(1) : weight.size(1);
   TORCH_CHECK(K % kStep == 0 && K <= kMaxK, "gemv: K must be a multiple of 16 and at most 8192, got ", K);
-  TORCH_CHECK(x.size(-1) == K, "gemv: x has ", x.size(-1), " features, weight has ", K);
-  const int64_t M = x.numel() / K;
+  const int64_t width = gated ? 2 * K : K;
+  TORCH_CHECK(x.size(-1) == width, "gemv: x has ", x.size(-1), " features, expected ", width);
+  const int64_t M = x.numel() / width;
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "gemv: at most ", kMaxRows, " activation rows, got ", M);
-  Floats xf(x.contiguous(), /*copy=*/norm_weight.has_value());  // normalized in place: never the caller's x
+  Floats xf(x.contiguous(), /*copy=*/norm_weight.has_value() || gated);  // changed in place: never the caller's x
+  if (gated) swiglu(xf.mutable_data(), M, K);
   if (norm_weight) rms_normalize(xf.mutable_data(), M, K, Floats(*norm_weight, false).data(), eps);
   const std::optional<Floats> bf = bias ? std::optional<Floats>(Floats(*bias, false)) : std::nullopt;
   const float* b = bf ? bf->data() : nullptr;
   auto out_shape = x.sizes().vec();
-  out_shape.back() = N;
+  out_shape.back() = N;  // (..., N)
   at::Tensor y = at::empty(out_shape, x.options());
   auto run = [&](const auto& format, const float* row_scales) {
     if (x.scalar_type() == at::kBFloat16) {
@@ -297,7 +310,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
 
 TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def("gemv(Tensor x, Tensor weight, Tensor? scales, Tensor? bias, Tensor? norm_weight, float eps, Tensor? mins, "
-        "int group_size) -> Tensor");
+        "int group_size, bool gated) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
