@@ -3,7 +3,7 @@
 Decoding multiplies a handful of activation rows by every weight matrix, so its speed is how fast
 the weights stream from memory. On CPU the library paths fall well short of that for these
 matrix-vector products (measured on the 121 matrices of SmolLM2-135M, 2 threads: F.linear fp32
-13.5 GB/s, oneDNN-prepacked 17.3), so inferlab builds its own AVX2 kernel (csrc/gemv.cpp: fp32, bf16,
+13.5 GB/s, oneDNN-prepacked 17.3, this kernel 22.9), so inferlab builds its own AVX2 kernel (csrc/gemv.cpp: fp32, bf16,
 int8 and int4 weights, one pass over each row) on first use and caches the build. It takes calls of at
 most GEMV_MAX_ROWS rows; prompts and large batches are GEMMs, where `F.linear` is the right tool.
 `kernels=portable`, other devices, and machines without AVX2 or a C++ compiler keep `F.linear`.
