@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferlab.engine.kernels import (GEMV_MAX_ROWS, GemvLinear, cpu_gemv_available, decode_attention,
-                                     decode_attention_fits, gemv, select_kernels)
+                                     decode_attention_applies, gemv, select_kernels)
 from inferlab.model.transformer import RMSNorm, linear_after_norm, linear_after_swiglu
 from inferlab.quant.int4 import dequantize_groups_int4, pack_nibbles
 from inferlab.quant.int8 import Int8Linear
@@ -96,7 +96,7 @@ def test_decode_attention_writes_the_step_and_equals_sdpa(dtype, length, heads):
     q = torch.randn(batch, n_heads, 1, head_dim).to(dtype)
     k, v = (torch.randn(batch, n_kv_heads, 1, head_dim).to(dtype) for _ in range(2))
     untouched = cache_k[0].clone(), cache_k[1:, :, length:].clone()
-    assert decode_attention_fits(q, cache_k)
+    assert decode_attention_applies(torch.device("cpu"), dtype, head_dim, "fast")
     out = decode_attention(q, k, v, k_view, v_view, length - 1)
     assert torch.equal(k_view[:, :, length - 1:length], k) and torch.equal(v_view[:, :, length - 1:length], v)
     assert torch.equal(cache_k[0], untouched[0]) and torch.equal(cache_k[1:, :, length:], untouched[1])
@@ -164,5 +164,9 @@ def test_portable_and_other_devices_keep_f_linear(tiny_tokenizer):
     assert select_kernels(model, torch.device("cuda"), torch.float32, "fast") == []
     assert select_kernels(model, torch.device("cpu"), torch.float16, "fast") == []
     assert all(type(m) is not GemvLinear for m in model.modules())
+    cpu = torch.device("cpu")
+    assert not decode_attention_applies(cpu, torch.float32, 64, "portable")
+    assert not decode_attention_applies(torch.device("cuda"), torch.float32, 64, "fast")
+    assert not decode_attention_applies(cpu, torch.float32, 12, "fast")  # head_dim not a multiple of 8
     with pytest.raises(Exception, match="device.kernels"):
         select_kernels(model, torch.device("cpu"), torch.float32, "fastest")

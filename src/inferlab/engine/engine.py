@@ -23,7 +23,7 @@ from torch import Tensor
 
 from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
 from inferlab.engine.block_manager import BlockManager, BlockTable
-from inferlab.engine.kernels import fast_kernels_apply
+from inferlab.engine.kernels import decode_attention_applies
 from inferlab.engine.kv_cache import CachedAttend, KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.engine.prefix_cache import PrefixCache
@@ -155,7 +155,8 @@ class InferenceEngine:
         self.scheduler: Scheduler | None = None
         if config.cache_mode == "contiguous":
             self.kv_cache = KVCache(loaded.config, config.slots, config.max_seq_len, config.dtype, config.device)
-            self.kv_cache.decode_kernel = fast_kernels_apply(config.device, config.dtype, config.kernels)
+            self.kv_cache.decode_kernel = decode_attention_applies(config.device, config.dtype, loaded.config.head_dim,
+                                                                   config.kernels)
             self.pool = SlotPool(self.kv_cache, loaded.config)
             self.paged = PagedKVCache.over_slots(self.kv_cache)
             slot_bytes = compute_kv_cache_bytes(loaded.config, 1, config.max_seq_len, config.dtype)

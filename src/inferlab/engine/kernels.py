@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferlab.errors import InvalidRequestError
-from inferlab.model.transformer import RMSNorm
+from inferlab.model.transformer import RMSNorm, swiglu
 from inferlab.paths import cache_dir
 
 GEMV_MAX_ROWS, GEMV_K_STEP, GEMV_MAX_K = 4, 16, 8192  # kMaxRows, kStep and the K limit in csrc/gemv.cpp
@@ -53,11 +53,10 @@ def cpu_gemv_available() -> bool:
     return True
 
 
-def gemv_fits(x: Tensor, in_features: int) -> bool:
-    """The kernel covers this call: CPU, at most GEMV_MAX_ROWS rows, K a multiple of 16 up to 8192."""
-    k = in_features
-    return (x.device.type == "cpu" and x.numel() <= GEMV_MAX_ROWS * k and k % GEMV_K_STEP == 0 and k <= GEMV_MAX_K
-            and x.dtype in (torch.float32, torch.bfloat16) and cpu_gemv_available())
+def gemv_fits(x: Tensor, width: int) -> bool:
+    """The kernel covers this call: CPU, at most GEMV_MAX_ROWS rows of `width` features, a multiple of 16 up to 8192."""
+    return (x.device.type == "cpu" and x.numel() <= GEMV_MAX_ROWS * width and width % GEMV_K_STEP == 0
+            and width <= GEMV_MAX_K and x.dtype in (torch.float32, torch.bfloat16) and cpu_gemv_available())
 
 
 def gemv(x: Tensor, weight: Tensor, scales: Tensor | None, bias: Tensor | None, norm: RMSNorm | None,
@@ -76,17 +75,15 @@ def gemv(x: Tensor, weight: Tensor, scales: Tensor | None, bias: Tensor | None, 
 def prepared_input(x: Tensor, norm: RMSNorm | None, gated: bool) -> Tensor:
     """What a fused kernel does to its input, for the paths that run it as separate ops."""
     if gated:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return swiglu(x)
     return x if norm is None else norm(x)
 
 
-def decode_attention_fits(q: Tensor, k_cache: Tensor) -> bool:
-    """One query per sequence, fp32 or bf16, head_dim a multiple of 8 up to 256, on a CPU with the kernels."""
-    d = q.shape[-1]
-    return (q.shape[2] == 1 and q.dtype == k_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
-            and d % 8 == 0 and d <= DECODE_ATTENTION_MAX_HEAD_DIM and k_cache.device.type == "cpu"
-            and cpu_gemv_available())
+def decode_attention_applies(device: torch.device, dtype: torch.dtype, head_dim: int, kernels: str) -> bool:
+    """Whether a KV cache of this device, dtype and head_dim takes its single-query steps through
+    `decode_attention`: decided once, when the cache is built."""
+    return (fast_kernels_apply(device, dtype, kernels) and head_dim % 8 == 0
+            and head_dim <= DECODE_ATTENTION_MAX_HEAD_DIM)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int) -> Tensor:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inferlab.engine.kernels import decode_attention, decode_attention_fits
+from inferlab.engine.kernels import decode_attention
 from inferlab.errors import CapacityError
 from inferlab.model.config import ModelConfig
 
@@ -28,7 +28,8 @@ class KVCache:
         self.k_layers = [self.k[i] for i in range(config.n_layers)]  # per-layer views: less indexing per step
         self.v_layers = [self.v[i] for i in range(config.n_layers)]
         self.slots, self.max_seq_len = slots, max_seq_len
-        self.decode_kernel = False  # single-query steps through engine/kernels.py's decode_attention (the engine sets it)
+        self.decode_kernel = False  # single-query steps through kernels.decode_attention (set by the engine,
+        # from kernels.decode_attention_applies)
 
     @property
     def nbytes(self) -> int:
@@ -75,7 +76,7 @@ class CachedAttend:
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache = self.cache
-        if self.n_new == 1 and self.mask is None and cache.decode_kernel and decode_attention_fits(q, cache.k):
+        if self.n_new == 1 and self.mask is None and cache.decode_kernel:
             # one call writes this step's k/v into the slots' buffers and attends (slots is a slice: views)
             return decode_attention(q, k, v, cache.k_layers[layer_idx][self.slots],
                                     cache.v_layers[layer_idx][self.slots], self.start_pos)

@@ -68,12 +68,17 @@ def linear_after_norm(linear: nn.Module, norm: RMSNorm, x: Tensor) -> Tensor:
     return linear(norm(x))
 
 
+def swiglu(gate_up: Tensor) -> Tensor:
+    # gate_up: (..., 2 * hidden) = [gate, up] -> silu(gate) * up (..., hidden)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def linear_after_swiglu(linear: nn.Module, gate_up: Tensor) -> Tensor:
-    """linear(silu(gate) * up) for gate_up = [gate, up], in one call where the linear's kernel gates its input."""
+    """linear(swiglu(gate_up)), in one call where the linear's kernel gates its input rows itself."""
     if getattr(linear, "fuses_input", False):
         return linear(gate_up, gated=True)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return linear(F.silu(gate) * up)
+    return linear(swiglu(gate_up))
 
 
 class Attention(nn.Module):
