@@ -6,12 +6,14 @@ import torch
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
+from inferlab.engine.kernels import select_kernels
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.model.config import ModelConfig
 from inferlab.model.loader import LoadedModel
 from inferlab.model.tokenizer import Tokenizer
 from inferlab.model.transformer import Transformer
+from inferlab.quant import quantize_model
 
 EOS = "<|eos|>"
 
@@ -61,12 +63,19 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
 
 
 def tiny_engine(tokenizer: Tokenizer, cache_mode: str = "contiguous", slots: int = 2, seed: int = 0,
-                max_new_tokens: int = 16, dtype: torch.dtype = torch.float32, **overrides) -> InferenceEngine:
+                max_new_tokens: int = 16, dtype: torch.dtype = torch.float32, kernels: str | None = None,
+                quant: str | None = None, **overrides) -> InferenceEngine:
+    """`kernels` given: the model's layers are swapped for that choice (engine/kernels.py) first, as
+    load_engine does, after quantizing them with `quant` (int4: groups of 32)."""
     model = tiny_model(seed, **overrides).to(dtype)
+    if quant:
+        quantize_model(model, quant, 32 if quant == "int4" else None)
+    if kernels:
+        select_kernels(model, torch.device("cpu"), dtype, kernels)
     loaded = LoadedModel(model, tokenizer, model.config, "tiny random-init")
     config = EngineConfig(device=torch.device("cpu"), dtype=dtype, cache_mode=cache_mode,
                           max_seq_len=model.config.max_seq_len, slots=slots,
                           defaults=SamplingParams(max_new_tokens=max_new_tokens), block_size=16, kv_blocks=0,
                           prefix_cache=False, scheduler=SchedulerConfig(max_running=16, max_waiting=64,
-                                                                        prefill_chunk=256), kernels="fast")
+                                                                        prefill_chunk=256), kernels=kernels or "fast")
     return InferenceEngine(loaded, config)

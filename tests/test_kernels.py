@@ -43,7 +43,7 @@ def test_gemv_equals_reference(dtype, weight_kind, rows, extras):
     n, k = 203, 96  # 203 rows: the 4-row tiles leave a tail
     gated = extras == "gated"
     x = torch.randn(1, rows, 2 * k if gated else k).to(dtype)
-    mins, group_size = None, 0
+    mins = None
     if weight_kind == "int8":
         weight, scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) / 100
         dense = weight.double() * scales.double()[:, None]
@@ -60,7 +60,7 @@ def test_gemv_equals_reference(dtype, weight_kind, rows, extras):
     if "norm" in extras:
         norm = RMSNorm(k, 1e-5)
         norm.weight.data = (torch.rand(k) + 0.5).to(dtype)
-    y = gemv(x, weight, scales, bias, norm, gated, mins, group_size)
+    y = gemv(x, weight, scales, bias, norm, gated, mins)
     assert y.shape == (1, rows, n) and y.dtype == dtype
     prepared = prepare(x, norm, gated)
     expected = F.linear(prepared, dense.double(), None if bias is None else bias.double())
@@ -85,25 +85,30 @@ def test_gemv_leaves_its_input_alone_and_refuses_what_it_does_not_cover():
 
 @needs_gemv
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("length", [1, 7, 8, 77, 600])
+@pytest.mark.parametrize("block_size", [640, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
-def test_decode_attention_writes_the_step_and_equals_sdpa(dtype, length, heads):
-    """One query over slots of a larger cache (strided views, as the KV cache hands them out), GQA groups."""
-    torch.manual_seed(length)
-    (n_heads, n_kv_heads), batch, head_dim, capacity = heads, 2, 64, 640
-    cache_k, cache_v = (torch.randn(batch + 1, n_kv_heads, capacity, head_dim).to(dtype) * 3 for _ in range(2))
-    k_view, v_view = cache_k[1:], cache_v[1:]  # slots 1 and 2 of 3
-    q = torch.randn(batch, n_heads, 1, head_dim).to(dtype)
-    k, v = (torch.randn(batch, n_kv_heads, 1, head_dim).to(dtype) for _ in range(2))
-    untouched = cache_k[0].clone(), cache_k[1:, :, length:].clone()
+def test_decode_attention_writes_the_step_and_equals_sdpa(dtype, block_size, heads):
+    """One query per sequence, each at its own length, over blocks of a shared pool found through its block
+    table (one 640-token block per slot is the contiguous cache), GQA groups."""
+    torch.manual_seed(block_size)
+    (n_heads, n_kv_heads), head_dim, lengths = heads, 64, [1, 8, 77, 600]
+    per_sequence = -(-640 // block_size)
+    k_pool, v_pool = (torch.randn(1 + 4 * per_sequence, n_kv_heads, block_size, head_dim).to(dtype) * 3 for _ in range(2))
+    tables = torch.randperm(4 * per_sequence).add(1).view(4, per_sequence)  # block 0 belongs to nobody
+    q = torch.randn(4, n_heads, 1, head_dim).to(dtype)
+    k, v = (torch.randn(4, n_kv_heads, 1, head_dim).to(dtype) for _ in range(2))
+    untouched = k_pool[0].clone()
     assert decode_attention_applies(torch.device("cpu"), dtype, head_dim, "fast")
-    out = decode_attention(q, k, v, k_view, v_view, length - 1)
-    assert torch.equal(k_view[:, :, length - 1:length], k) and torch.equal(v_view[:, :, length - 1:length], v)
-    assert torch.equal(cache_k[0], untouched[0]) and torch.equal(cache_k[1:, :, length:], untouched[1])
-    keys, values = k_view[:, :, :length].double(), v_view[:, :, :length].double()
-    expected = F.scaled_dot_product_attention(q.double(), keys, values, enable_gqa=True)
-    assert out.shape == expected.shape and out.dtype == dtype
-    assert (out.double() - expected).abs().max() <= TOLERANCE[dtype] * 3
+    out = decode_attention(q, k, v, k_pool, v_pool, tables, torch.tensor(lengths) - 1)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.equal(k_pool[0], untouched)
+    for b, length in enumerate(lengths):
+        keys, values = (pool[tables[b]].transpose(0, 1).reshape(n_kv_heads, -1, head_dim)[:, :length]
+                        for pool in (k_pool, v_pool))  # (H_kv, length, D), in position order
+        assert torch.equal(keys[:, -1], k[b, :, 0]) and torch.equal(values[:, -1], v[b, :, 0])
+        expected = F.scaled_dot_product_attention(q[b:b + 1].double(), keys[None].double(), values[None].double(),
+                                                  enable_gqa=True)
+        assert (out[b:b + 1].double() - expected).abs().max() <= TOLERANCE[dtype] * 3
 
 
 @needs_gemv

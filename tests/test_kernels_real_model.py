@@ -1,4 +1,5 @@
-"""The CPU decode kernels on the real default model: the same steps as the portable path, per precision."""
+"""The CPU decode kernels and the fused decode step on the real default model: the same steps as the portable
+path, per precision."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ def test_fast_kernels_match_portable_path(precision):
     fast = load_engine(precision=precision, device="cpu", **overrides)
     portable = load_engine(precision=precision, device="cpu", **overrides, **{"device.kernels": "portable"})
     assert fast.kv_cache.decode_kernel and not portable.kv_cache.decode_kernel
+    assert fast.fused is not None and portable.fused is None  # decode steps: one C++ call each
     tokens = portable.generate(PROMPT, max_new_tokens=STEPS, temperature=0).token_ids
     expected, got = teacher_forced_logits(portable, tokens), teacher_forced_logits(fast, tokens)
     cosines = [F.cosine_similarity(e, g, dim=0).item() for e, g in zip(expected, got)]

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
 from inferlab.engine.block_manager import BlockManager, BlockTable
+from inferlab.engine.fused_decode import FusedDecode
 from inferlab.engine.kernels import decode_attention_applies
 from inferlab.engine.kv_cache import CachedAttend, KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.paged import PagedKVCache, forward_paged
@@ -85,12 +86,20 @@ class Sequence(ABC):
 
 
 class CachedSequence(Sequence):
-    def __init__(self, model: Transformer, device: torch.device, pool: SlotPool, n_tokens: int) -> None:
+    def __init__(self, model: Transformer, device: torch.device, pool: SlotPool, n_tokens: int,
+                 fused: FusedDecode | None = None) -> None:
         super().__init__(model, device)
-        self.pool, self.slot = pool, pool.allocate(n_tokens)
+        self.pool, self.slot, self.fused = pool, pool.allocate(n_tokens), fused
+        self.block_table = torch.tensor([[self.slot]], device=device)  # the slot is one max_seq_len block
 
     def forward(self, token_ids: list[int]) -> Tensor:
         n = len(token_ids)
+        if n == 1 and self.fused is not None:
+            cache = self.pool.cache
+            logits = self.fused(torch.tensor(token_ids, device=self.device), cache.k, cache.v, self.block_table,
+                                torch.tensor([self.length], device=self.device))
+            self.length += 1
+            return logits[0]
         tokens = torch.tensor([token_ids], device=self.device)
         positions = torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
         attend = CachedAttend(self.pool.cache, self.length, n, slice(self.slot, self.slot + 1))
@@ -121,9 +130,9 @@ class PagedSequence(Sequence):
     """A single request's KV in blocks of the paged pool, its prompt's cached prefix blocks reused."""
 
     def __init__(self, model: Transformer, device: torch.device, cache: PagedKVCache, blocks: BlockManager,
-                 prompt_ids: list[int]) -> None:
+                 prompt_ids: list[int], fused: FusedDecode | None = None) -> None:
         super().__init__(model, device)
-        self.cache, self.blocks, self.kv, self.token_ids = cache, blocks, BlockTable(), []
+        self.cache, self.blocks, self.kv, self.token_ids, self.fused = cache, blocks, BlockTable(), [], fused
         if not blocks.allocate(self.kv, prompt_ids, len(prompt_ids)):
             raise CapacityError(f"the KV pool has no room for {len(prompt_ids)} prompt tokens now; retry later")
         self.length = self.kv.num_computed
@@ -133,7 +142,7 @@ class PagedSequence(Sequence):
         if not self.blocks.ensure_room(self.kv, len(self.token_ids)):
             raise CapacityError("the KV pool ran out of blocks; retry later or raise cache.kv_budget_mb")
         start = self.kv.num_computed
-        logits = forward_paged(self.model, self.cache, [self.token_ids[start:]], [start], [self.kv.blocks])
+        logits = forward_paged(self.model, self.cache, [self.token_ids[start:]], [start], [self.kv.blocks], self.fused)
         self.blocks.advance(self.kv, self.token_ids, len(self.token_ids) - start)
         self.length = self.kv.num_computed
         return logits[0]
@@ -153,10 +162,13 @@ class InferenceEngine:
         self.paged: PagedKVCache | None = None  # the KV memory the engine loop reads through block tables
         self.blocks: BlockManager | None = None
         self.scheduler: Scheduler | None = None
+        decode_kernel = decode_attention_applies(config.device, config.dtype, loaded.config.head_dim, config.kernels)
+        # a cached decode step of at most FusedDecode.covers rows runs as one C++ call (None: the Python model)
+        self.fused = FusedDecode.build(self.model, config.device, config.dtype, config.kernels) \
+            if config.cache_mode != "none" else None
         if config.cache_mode == "contiguous":
             self.kv_cache = KVCache(loaded.config, config.slots, config.max_seq_len, config.dtype, config.device)
-            self.kv_cache.decode_kernel = decode_attention_applies(config.device, config.dtype, loaded.config.head_dim,
-                                                                   config.kernels)
+            self.kv_cache.decode_kernel = decode_kernel
             self.pool = SlotPool(self.kv_cache, loaded.config)
             self.paged = PagedKVCache.over_slots(self.kv_cache)
             slot_bytes = compute_kv_cache_bytes(loaded.config, 1, config.max_seq_len, config.dtype)
@@ -165,6 +177,7 @@ class InferenceEngine:
             tokens = config.kv_blocks * config.block_size or config.slots * config.max_seq_len
             num_blocks = -(-tokens // config.block_size)
             self.paged = PagedKVCache.allocate(loaded.config, num_blocks, config.block_size, config.dtype, config.device)
+            self.paged.decode_kernel = decode_kernel
             block_bytes = compute_kv_cache_bytes(loaded.config, 1, config.block_size, config.dtype)
             prefix = PrefixCache() if config.prefix_cache else None
             self.blocks = BlockManager(num_blocks, config.block_size, block_bytes, prefix)
@@ -186,11 +199,11 @@ class InferenceEngine:
         self.check_prompt(prompt_ids)
         if self.config.cache_mode == "paged":
             self.blocks.check_fits(len(prompt_ids) + reserve_tokens)
-            seq: Sequence = PagedSequence(self.model, self.config.device, self.paged, self.blocks, prompt_ids)
+            seq: Sequence = PagedSequence(self.model, self.config.device, self.paged, self.blocks, prompt_ids, self.fused)
         elif self.pool is None:
             seq = RecomputeSequence(self.model, self.config.device)
         else:
-            seq = CachedSequence(self.model, self.config.device, self.pool, len(prompt_ids) + reserve_tokens)
+            seq = CachedSequence(self.model, self.config.device, self.pool, len(prompt_ids) + reserve_tokens, self.fused)
         try:
             return seq.forward(list(prompt_ids)), seq
         except BaseException:
@@ -483,7 +496,7 @@ class InferenceEngine:
         """Feed each request its next `n` uncomputed tokens in one forward; sample those whose tokens are all in."""
         starts = [r.kv.num_computed for r in requests]
         tokens = [r.token_ids[s:s + n] for r, s in zip(requests, starts)]
-        logits = forward_paged(self.model, self.paged, tokens, starts, [r.kv.blocks for r in requests])
+        logits = forward_paged(self.model, self.paged, tokens, starts, [r.kv.blocks for r in requests], self.fused)
         for request, row in zip(requests, logits):
             self.blocks.advance(request.kv, request.token_ids, n)
             if request.num_uncomputed:

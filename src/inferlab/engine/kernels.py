@@ -24,7 +24,7 @@ from inferlab.model.transformer import RMSNorm, swiglu
 from inferlab.paths import cache_dir
 
 GEMV_MAX_ROWS, GEMV_K_STEP, GEMV_MAX_K = 4, 16, 8192  # kMaxRows, kStep and the K limit in csrc/gemv.cpp
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv.cpp", "decode_attention.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv.cpp", "decode_attention.cpp", "decode_step.cpp")]
 DECODE_ATTENTION_MAX_HEAD_DIM = 256
 KERNEL_CHOICES = ("fast", "portable")
 
@@ -60,16 +60,17 @@ def gemv_fits(x: Tensor, width: int) -> bool:
 
 
 def gemv(x: Tensor, weight: Tensor, scales: Tensor | None, bias: Tensor | None, norm: RMSNorm | None,
-         gated: bool, mins: Tensor | None = None, group_size: int = 0) -> Tensor:
+         gated: bool, mins: Tensor | None = None) -> Tensor:
     """prepare(x) @ W.T * scales + bias, each part only when given, in one pass over the weight.
 
     prepare = rmsnorm with `norm`; with `gated`, x is [gate, up] (..., 2K) and prepare = silu(gate) * up.
     x: (..., K) fp32 | bf16 -> (..., N) in x's dtype. W is `weight` (N, K) fp32 | bf16 | int8 with
     per-row `scales` (N,) for int8; or int4: `weight` uint8 (N, K / 2) nibble codes (quant/int4.py's
-    pack_nibbles) with `scales`, `mins` (N, K / group_size), w = q * scale + min.
+    pack_nibbles) with `scales`, `mins` (N, K / group_size), w = q * scale + min (the group size is
+    read off their shape).
     """
     norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
-    return torch.ops.inferlab.gemv(x, weight, scales, bias, norm_weight, eps, mins, group_size, gated)
+    return torch.ops.inferlab.gemv(x, weight, scales, bias, norm_weight, eps, mins, gated)
 
 
 def prepared_input(x: Tensor, norm: RMSNorm | None, gated: bool) -> Tensor:
@@ -86,13 +87,16 @@ def decode_attention_applies(device: torch.device, dtype: torch.dtype, head_dim:
             and head_dim <= DECODE_ATTENTION_MAX_HEAD_DIM)
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int) -> Tensor:
-    """Write this step's k, v at `pos` of the caches, then softmax(q K^T / sqrt(d)) V over positions 0..pos.
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor,
+                     positions: Tensor) -> Tensor:
+    """Write each sequence's k, v at its position of the pools, then softmax(q K^T / sqrt(d)) V over its
+    positions 0..position, read through its row of `block_tables`.
 
-    q: (B, H, 1, D); k, v: (B, H_kv, 1, D); k_cache, v_cache: (B, H_kv, S, D) views, written in place;
-    H a multiple of H_kv -> (B, H, 1, D)
+    q: (B, H, 1, D); k, v: (B, H_kv, 1, D); k_pool, v_pool: (num_blocks, H_kv, block_size, D), written in
+    place (the contiguous cache is one max_seq_len block per slot); block_tables: (B, n) int64;
+    positions: (B,) int64; H a multiple of H_kv -> (B, H, 1, D)
     """
-    return torch.ops.inferlab.decode_attention(q, k, v, k_cache, v_cache, pos, q.shape[-1] ** -0.5)
+    return torch.ops.inferlab.decode_attention(q, k, v, k_pool, v_pool, block_tables, positions, q.shape[-1] ** -0.5)
 
 
 class GemvLinear(nn.Module):

@@ -62,8 +62,14 @@ class CachedAttend:
     slots: slice = field(default_factory=lambda: slice(0, 1))  # a slice: indexing it gives views
     key_mask: Tensor | None = None
     mask: Tensor | None = field(init=False, default=None)
+    block_tables: Tensor | None = field(init=False, default=None)  # (B, 1): the slots, for decode_attention
+    positions: Tensor | None = field(init=False, default=None)  # (B,): start_pos
 
     def __post_init__(self) -> None:
+        if self.n_new == 1 and self.key_mask is None and self.cache.decode_kernel:
+            device = self.cache.k.device  # each slot is one block of max_seq_len positions
+            self.block_tables = torch.arange(self.slots.start, self.slots.stop, device=device)[:, None]
+            self.positions = torch.full((self.slots.stop - self.slots.start,), self.start_pos, device=device)
         end = self.start_pos + self.n_new
         needs_causal = self.n_new > 1 and self.start_pos > 0
         if needs_causal or self.key_mask is not None:
@@ -76,10 +82,10 @@ class CachedAttend:
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache = self.cache
-        if self.n_new == 1 and self.mask is None and cache.decode_kernel:
-            # one call writes this step's k/v into the slots' buffers and attends (slots is a slice: views)
-            return decode_attention(q, k, v, cache.k_layers[layer_idx][self.slots],
-                                    cache.v_layers[layer_idx][self.slots], self.start_pos)
+        if self.block_tables is not None:
+            # one call writes this step's k/v into the slots' buffers and attends
+            return decode_attention(q, k, v, cache.k_layers[layer_idx], cache.v_layers[layer_idx], self.block_tables,
+                                    self.positions)
         keys, values = cache.update(layer_idx, k, v, self.start_pos, self.slots)
         causal = self.mask is None and self.n_new > 1  # then start_pos == 0: plain causal prefill
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, is_causal=causal, enable_gqa=True)

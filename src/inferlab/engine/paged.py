@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inferlab.engine.fused_decode import FusedDecode
+from inferlab.engine.kernels import decode_attention
 from inferlab.engine.kv_cache import KVCache, compute_kv_cache_bytes
 from inferlab.model.config import ModelConfig
 from inferlab.model.transformer import Transformer
@@ -24,6 +26,7 @@ class PagedKVCache:
 
     k: Tensor
     v: Tensor
+    decode_kernel: bool = False  # single-query steps through kernels.decode_attention (set by the engine)
 
     @classmethod
     def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -34,7 +37,7 @@ class PagedKVCache:
     @classmethod
     def over_slots(cls, cache: KVCache) -> "PagedKVCache":
         """The contiguous cache's buffers seen as blocks: slot i is block i of max_seq_len tokens (no copy)."""
-        return cls(cache.k, cache.v)
+        return cls(cache.k, cache.v, cache.decode_kernel)
 
     @property
     def num_blocks(self) -> int:
@@ -67,9 +70,11 @@ class PagedAttend:
     block_tables: Tensor  # (B, max_blocks) int64, unused entries any valid block id
     starts: Tensor  # (B,) int64
     n_new: int
-    mask: Tensor = field(init=False)
+    mask: Tensor | None = field(init=False, default=None)  # None: one query each, through decode_attention
 
     def __post_init__(self) -> None:
+        if self.n_new == 1 and self.cache.decode_kernel:
+            return
         bs, device = self.cache.block_size, self.block_tables.device
         positions = self.starts[:, None] + torch.arange(self.n_new, device=device)  # (B, T)
         self.write_blocks = self.block_tables.gather(1, positions // bs)  # (B, T)
@@ -81,6 +86,8 @@ class PagedAttend:
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]  # (num_blocks, H, bs, D)
+        if self.mask is None:
+            return decode_attention(q, k, v, k_pool, v_pool, self.block_tables, self.starts)
         # advanced indices around a slice put (B, T) first: the values are (B, T, H, D)
         k_pool[self.write_blocks, :, self.write_offsets] = k.transpose(1, 2).to(k_pool.dtype)
         v_pool[self.write_blocks, :, self.write_offsets] = v.transpose(1, 2).to(v_pool.dtype)
@@ -98,13 +105,18 @@ class PagedAttend:
 
 
 def forward_paged(model: Transformer, cache: PagedKVCache, new_tokens: list[list[int]], starts: list[int],
-                  block_tables: list[list[int]]) -> Tensor:
-    """Run B sequences that each feed the same number T of new tokens; return each one's last logits (B, vocab)."""
+                  block_tables: list[list[int]], fused: FusedDecode | None = None) -> Tensor:
+    """Run B sequences that each feed the same number T of new tokens; return each one's last logits (B, vocab).
+
+    A decode step (T = 1) of few enough sequences runs as one `fused` call where the engine built one.
+    """
     device = cache.k.device
     width = max(len(t) for t in block_tables)
     tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in block_tables], device=device)
     start = torch.tensor(starts, device=device)
     tokens = torch.tensor(new_tokens, device=device)  # (B, T)
+    if fused is not None and tokens.shape[1] == 1 and fused.covers(tokens.shape[0]):
+        return fused(tokens[:, 0], cache.k, cache.v, tables, start)
     positions = start[:, None] + torch.arange(tokens.shape[1], device=device)
     attend = PagedAttend(cache, tables, start, tokens.shape[1])
     return model(tokens, positions, attend, last_only=True)[:, -1]

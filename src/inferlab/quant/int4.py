@@ -90,7 +90,7 @@ class Int4GroupLinear(nn.Module):
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
         if self.layout == "rows" and self.use_kernel and gemv_fits(x, self.in_features * (1 + gated)):  # decode
-            return gemv(x, self.weight, self.scales, self.bias, norm, gated, self.mins, self.group_size)
+            return gemv(x, self.weight, self.scales, self.bias, norm, gated, self.mins)
         x = prepared_input(x, norm, gated)
         if self.layout == "rows":
             return F.linear(x, self.dequantize().to(x.dtype), self.bias)

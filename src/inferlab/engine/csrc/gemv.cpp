@@ -1,307 +1,37 @@
-// Matrix-vector products for decoding on AVX2 CPUs: y = rmsnorm(x) @ W.T for a few activation rows.
-//
-// Decoding one token reads every weight once and does two flops per weight, so the speed limit is
-// how fast the weights stream from memory. This kernel reads each weight row exactly once, 16
-// weights a step, and multiplies them into every activation row (at most kMaxRows), with several
-// independent accumulators and software prefetches far enough ahead that memory, not the instruction
-// window, sets the pace (measured here: int8 rows stream ~2x faster with them). fp32 and bf16
-// weights are widened to fp32 and fused-multiply-added; int8 and int4 weights meet int16 activation
-// codes in exact integer multiply-adds (one instruction per 16 weights), int4 with a float scale and
-// min per group as GGUF's Q4_1 defines them. What precedes each projection (the RMSNorm, or the
-// SwiGLU before w2) is applied to the activations first, so it costs no separate call. Rows are split
-// across torch's intra-op threads.
-#include <ATen/Parallel.h>
+// The `gemv` op: y = prepare(x) @ W.T * scales + bias for a few activation rows (kernel: gemv.h).
+// What precedes each projection (the RMSNorm, or the SwiGLU before w2) is applied to the activations
+// first, so it costs no separate call.
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <numeric>
-
-#include "simd.h"
+#include "gemv.h"
 
 namespace {
 
 using inferlab::Floats;
-using inferlab::hsum;
+using inferlab::Projection;
 
-constexpr int64_t kMaxRows = 4;       // activation rows per call (decode batch); more go to a GEMM
-constexpr int64_t kRowsPerTile = 4;   // weight rows streamed together when there is one activation row
-constexpr int64_t kGrain = 64;        // weight rows per thread at least
-constexpr int64_t kPrefetchBytes = 4096;  // how far ahead each row is requested: one core alone keeps too few loads in flight
-constexpr int64_t kStep = 16;         // weights per row read per step; K must be a multiple of it
-constexpr int64_t kMaxK = 8192;
-constexpr float kInt16Max = 16383;    // activation codes for integer weights: 2 * 127 * 16383 * (K / 16) fits int32
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0); }
-
-// Activations as the integer formats read them: x / max|x| * kInt16Max, rounded; returns the scale that undoes it
-float int16_codes(const float* x, int64_t K, int16_t* out) {
-  float amax = 0;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(x[k]));
-  const float scale = amax > 0 ? amax / kInt16Max : 1.0f;
-  for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int16_t>(std::lrintf(x[k] / scale));
-  return scale;
-}
-
-// Reorder each block of `block` values to its even-indexed ones, then its odd-indexed ones
-template <typename T>
-void deinterleave(T* x, int64_t K, int64_t block) {
-  std::vector<T> tmp(block);
-  for (int64_t k = 0; k < K; k += block) {
-    for (int64_t i = 0; i < block / 2; ++i) {
-      tmp[i] = x[k + 2 * i];
-      tmp[block / 2 + i] = x[k + 2 * i + 1];
-    }
-    std::copy(tmp.begin(), tmp.end(), x + k);
-  }
-}
-
-// A weight format holds its weights and the prepared activations, and computes
-//   dot<R, M>(n, acc): acc[r * M + m] = (weight row n + r) . (activation row m) / x_scale[m]
-// The dense formats share one loop over steps of kStep weights (DenseFormat); int4 has groups.
-template <typename Step>
-struct DenseFormat {
-  using W = typename Step::W;
-  using X = typename Step::X;
-  const W* w;
-  int64_t K;
-  std::vector<X> x;
-  float x_scale[kMaxRows];
-
-  DenseFormat(const W* weights, int64_t K_, const float* xf, int64_t M) : w(weights), K(K_), x(M * K_) {
-    for (int64_t m = 0; m < M; ++m) x_scale[m] = Step::prepare(xf + m * K, K, x.data() + m * K);
-  }
-
-  template <int R, int M>
-  void dot(int64_t n, float* acc) const {
-    typename Step::Acc sum[R * M];
-    for (int i = 0; i < R * M; ++i) sum[i] = Step::zero();
-    const W* rows = w + n * K;
-    for (int64_t k = 0; k < K; k += kStep) {
-      for (int r = 0; r < R; ++r) {
-        prefetch(rows + r * K + k);
-        for (int m = 0; m < M; ++m) sum[r * M + m] = Step::step(rows + r * K + k, x.data() + m * K + k, sum[r * M + m]);
-      }
-    }
-    for (int i = 0; i < R * M; ++i) acc[i] = Step::total(sum[i]);
-  }
-};
-
-struct Fp32Step {
-  using W = float;
-  using X = float;
-  using Acc = __m256;
-  static Acc zero() { return _mm256_setzero_ps(); }
-  static Acc step(const W* w, const X* x, Acc acc) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(w), _mm256_loadu_ps(x), acc);
-    return _mm256_fmadd_ps(_mm256_loadu_ps(w + 8), _mm256_loadu_ps(x + 8), acc);
-  }
-  static float total(Acc acc) { return hsum(acc); }
-  static float prepare(const float* x, int64_t K, X* out) {
-    std::copy(x, x + K, out);
-    return 1.0f;
-  }
-};
-
-// bf16 is the high half of an fp32: a 32-bit lane holding weights 2i and 2i+1 gives weight 2i shifted
-// up and weight 2i+1 masked, so the activations of each step are stored evens first, then odds.
-struct Bf16Step {
-  using W = at::BFloat16;
-  using X = float;
-  using Acc = __m256;
-  static Acc zero() { return _mm256_setzero_ps(); }
-  static Acc step(const W* w, const X* x, Acc acc) {
-    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-    const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(0xFFFF0000)));
-    acc = _mm256_fmadd_ps(even, _mm256_loadu_ps(x), acc);
-    return _mm256_fmadd_ps(odd, _mm256_loadu_ps(x + 8), acc);
-  }
-  static float total(Acc acc) { return hsum(acc); }
-  static float prepare(const float* x, int64_t K, X* out) {
-    std::copy(x, x + K, out);
-    deinterleave(out, K, kStep);
-    return 1.0f;
-  }
-};
-
-// int8 weights times int16 activation codes, summed exactly in int32 by madd (one instruction per 16).
-struct Int8Step {
-  using W = int8_t;
-  using X = int16_t;
-  using Acc = __m256i;
-  static Acc zero() { return _mm256_setzero_si256(); }
-  static Acc step(const W* w, const X* x, Acc acc) {
-    const __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(w16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
-  }
-  static float total(Acc acc) { return hsum(_mm256_cvtepi32_ps(acc)); }
-  static float prepare(const float* x, int64_t K, X* out) { return int16_codes(x, K, out); }
-};
-
-// 4-bit codes q in [0, 15], two per byte (even column in the low nibble), w = q * scale + min per group
-// of `group` columns (GGUF Q4_1's arithmetic). Per group: the integer dot of the codes with the int16
-// activation codes times the group's scale, plus its min times the group's sum of activation codes.
-struct Int4Format {
-  static constexpr int64_t kBlock = 32;  // columns per step: 16 bytes
-  const uint8_t* w;                      // (N, K / 2)
-  int64_t K, group, G;
-  const float* scales;                   // (N, G)
-  const float* mins;                     // (N, G)
-  std::vector<int16_t> x;                // (M, K), each block of 32 as its 16 evens then its 16 odds
-  std::vector<float> group_sums;         // (M, G)
-  float x_scale[kMaxRows];
-
-  Int4Format(const uint8_t* packed, int64_t K_, int64_t group_, const float* scales_, const float* mins_,
-             const float* xf, int64_t M)
-      : w(packed), K(K_), group(group_), G(K_ / group_), scales(scales_), mins(mins_), x(M * K_), group_sums(M * G) {
-    for (int64_t m = 0; m < M; ++m) {
-      int16_t* codes = x.data() + m * K;
-      x_scale[m] = int16_codes(xf + m * K, K, codes);
-      for (int64_t g = 0; g < G; ++g) {
-        group_sums[m * G + g] = std::accumulate(codes + g * group, codes + (g + 1) * group, 0.0f);
-      }
-      deinterleave(codes, K, kBlock);
-    }
-  }
-
-  template <int R, int M>
-  void dot(int64_t n, float* acc) const {
-    __m256 sum[R * M];
-    float min_terms[R * M] = {};
-    for (int i = 0; i < R * M; ++i) sum[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      __m256i dots[R * M];
-      for (int i = 0; i < R * M; ++i) dots[i] = _mm256_setzero_si256();
-      for (int64_t k = g * group; k < (g + 1) * group; k += kBlock) {
-        for (int r = 0; r < R; ++r) {
-          const uint8_t* bytes = w + (n + r) * (K / 2) + k / 2;
-          prefetch(bytes);
-          const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-          const __m256i even = _mm256_and_si256(b, _mm256_set1_epi16(0x0F));  // 16 codes of columns k, k+2, ...
-          const __m256i odd = _mm256_srli_epi16(b, 4);                      // columns k+1, k+3, ...
-          for (int m = 0; m < M; ++m) {
-            const int16_t* xs = x.data() + m * K + k;
-            const __m256i d = _mm256_add_epi32(
-                _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs))),
-                _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 16))));
-            dots[r * M + m] = _mm256_add_epi32(dots[r * M + m], d);
-          }
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const float scale = scales[(n + r) * G + g], min = mins[(n + r) * G + g];
-        for (int m = 0; m < M; ++m) {
-          sum[r * M + m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r * M + m]), _mm256_set1_ps(scale), sum[r * M + m]);
-          min_terms[r * M + m] += min * group_sums[m * G + g];
-        }
-      }
-    }
-    for (int i = 0; i < R * M; ++i) acc[i] = hsum(sum[i]) + min_terms[i];
-  }
-};
-
-// y[m, n] = dot(n, m) * x_scale[m] * scales[n] + bias[n] for n in [begin, end)
-template <typename F, typename Y, int M>
-void rows(const F& f, const float* scales, const float* bias, Y* y, int64_t N, int64_t begin, int64_t end) {
-  constexpr int R = M == 1 ? kRowsPerTile : 1;
-  float acc[R * M];
-  auto store = [&](int64_t row, int r) {
-    const float s = scales ? scales[row] : 1.0f, b = bias ? bias[row] : 0.0f;
-    for (int m = 0; m < M; ++m) y[m * N + row] = static_cast<Y>(acc[r * M + m] * f.x_scale[m] * s + b);
-  };
-  int64_t n = begin;
-  for (; n + R <= end; n += R) {
-    f.template dot<R, M>(n, acc);
-    for (int r = 0; r < R; ++r) store(n + r, r);
-  }
-  for (; n < end; ++n) {
-    f.template dot<1, M>(n, acc);
-    store(n, 0);
-  }
-}
-
-// Split the weight rows across torch's threads.
-template <typename F, typename Y>
-void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* y, int64_t N) {
-  at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: rows<F, Y, 1>(f, scales, bias, y, N, begin, end); break;
-      case 2: rows<F, Y, 2>(f, scales, bias, y, N, begin, end); break;
-      case 3: rows<F, Y, 3>(f, scales, bias, y, N, begin, end); break;
-      default: rows<F, Y, 4>(f, scales, bias, y, N, begin, end); break;
-    }
-  });
-}
-
-// Each row of x (M, K) -> x * rsqrt(mean(x^2) + eps) * norm_weight, in fp32: the RMSNorm before the product
-void rms_normalize(float* x, int64_t M, int64_t K, const float* norm_weight, double eps) {
-  for (int64_t m = 0; m < M; ++m) {
-    float* row = x + m * K;
-    double sum_sq = 0;
-    for (int64_t k = 0; k < K; ++k) sum_sq += static_cast<double>(row[k]) * row[k];
-    const float inv_rms = static_cast<float>(1.0 / std::sqrt(sum_sq / K + eps));
-    for (int64_t k = 0; k < K; ++k) row[k] = row[k] * inv_rms * norm_weight[k];
-  }
-}
-
-// Each row [gate, up] of x (M, 2K) -> silu(gate) * up (M, K), packed to the front: the SwiGLU before w2
-void swiglu(float* x, int64_t M, int64_t K) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* gate = x + m * 2 * K;
-    const float* up = gate + K;
-    float* out = x + m * K;  // never ahead of the values it reads
-    for (int64_t k = 0; k < K; ++k) out[k] = gate[k] / (1.0f + std::exp(-gate[k])) * up[k];
-  }
-}
-
-// y = rmsnorm(x) @ W.T * scales + bias, each step only when given, W in one of four formats:
-//   fp32, bf16 or int8 (N, K), with `scales` (N,) for int8; or uint8 (N, K / 2) int4 codes with
-//   `scales` and `mins` (N, K / group_size). x (..., K) fp32 or bf16; bias (N,); norm_weight (K,).
-// `gated`: x is (..., 2K), [gate, up], and the product is taken with silu(gate) * up (SwiGLU).
+// y = rmsnorm(x) @ W.T * scales + bias, each step only when given; W, scales, mins, bias as Projection
+// reads them. x (..., K) fp32 or bf16 -> y (..., N) in x's dtype; norm_weight (K,). `gated`: x is
+// (..., 2K), [gate, up], and the product is taken with silu(gate) * up (SwiGLU).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
                 const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& norm_weight, double eps,
-                const std::optional<at::Tensor>& mins, int64_t group_size, bool gated) {
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "gemv: weight must be a contiguous (N, K) matrix");
-  const bool int4 = weight.scalar_type() == at::kByte;
-  const int64_t N = weight.size(0), K = int4 ? 2 * weight.size(1) : weight.size(1);
-  TORCH_CHECK(K % kStep == 0 && K <= kMaxK, "gemv: K must be a multiple of 16 and at most 8192, got ", K);
+                const std::optional<at::Tensor>& mins, bool gated) {
+  const Projection projection(weight, scales, mins, bias);
+  const int64_t K = projection.K, N = projection.N;
   const int64_t width = gated ? 2 * K : K;
   TORCH_CHECK(x.size(-1) == width, "gemv: x has ", x.size(-1), " features, expected ", width);
   const int64_t M = x.numel() / width;
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "gemv: at most ", kMaxRows, " activation rows, got ", M);
-  Floats xf(x.contiguous(), /*copy=*/norm_weight.has_value() || gated);  // changed in place: never the caller's x
-  if (gated) swiglu(xf.mutable_data(), M, K);
-  if (norm_weight) rms_normalize(xf.mutable_data(), M, K, Floats(*norm_weight, false).data(), eps);
-  const std::optional<Floats> bf = bias ? std::optional<Floats>(Floats(*bias, false)) : std::nullopt;
-  const float* b = bf ? bf->data() : nullptr;
+  TORCH_CHECK(M >= 1 && M <= inferlab::kMaxRows, "gemv: at most ", inferlab::kMaxRows, " activation rows, got ", M);
+  Floats xf(x, /*copy=*/norm_weight.has_value() || gated);  // changed in place: never the caller's x
+  if (gated) inferlab::swiglu(xf.mutable_data(), M, K);
+  if (norm_weight) inferlab::rms_normalize(xf.mutable_data(), M, K, Floats(*norm_weight, false).data(), eps);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;  // (..., N)
   at::Tensor y = at::empty(out_shape, x.options());
-  auto run = [&](const auto& format, const float* row_scales) {
-    if (x.scalar_type() == at::kBFloat16) {
-      run_rows(format, M, row_scales, b, y.data_ptr<at::BFloat16>(), N);
-    } else {
-      run_rows(format, M, row_scales, b, y.data_ptr<float>(), N);
-    }
-  };
-  if (int4) {
-    TORCH_CHECK(scales && mins && group_size % Int4Format::kBlock == 0 && K % group_size == 0,
-                "gemv: int4 weights need scales, mins and a group size that is a multiple of 32 dividing K");
-    TORCH_CHECK(scales->numel() == N * (K / group_size) && mins->numel() == N * (K / group_size),
-                "gemv: int4 scales and mins must be (N, K / group_size)");
-    const Floats sf(*scales, false), mf(*mins, false);
-    run(Int4Format(weight.data_ptr<uint8_t>(), K, group_size, sf.data(), mf.data(), xf.data(), M), nullptr);
-    return y;
-  }
-  const std::optional<Floats> sf = scales ? std::optional<Floats>(Floats(*scales, false)) : std::nullopt;
-  const float* s = sf ? sf->data() : nullptr;
-  switch (weight.scalar_type()) {
-    case at::kFloat: run(DenseFormat<Fp32Step>(weight.data_ptr<float>(), K, xf.data(), M), s); break;
-    case at::kBFloat16: run(DenseFormat<Bf16Step>(weight.data_ptr<at::BFloat16>(), K, xf.data(), M), s); break;
-    case at::kChar: run(DenseFormat<Int8Step>(weight.data_ptr<int8_t>(), K, xf.data(), M), s); break;
-    default: TORCH_CHECK(false, "gemv: weights must be float32, bfloat16, int8 or uint8 int4 codes, got ",
-                         weight.scalar_type());
+  if (x.scalar_type() == at::kBFloat16) {
+    projection(xf.data(), M, y.data_ptr<at::BFloat16>());
+  } else {
+    projection(xf.data(), M, y.data_ptr<float>());
   }
   return y;
 }
@@ -310,7 +40,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
 
 TORCH_LIBRARY_FRAGMENT(inferlab, m) {
   m.def("gemv(Tensor x, Tensor weight, Tensor? scales, Tensor? bias, Tensor? norm_weight, float eps, Tensor? mins, "
-        "int group_size, bool gated) -> Tensor");
+        "bool gated) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(inferlab, CPU, m) {

@@ -24,20 +24,21 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// A contiguous fp32 or bf16 tensor's values as fp32, without a tensor op (each costs microseconds): the
-// tensor's own memory when it already is fp32 and no copy is asked for, else a converted copy.
+// A fp32 or bf16 tensor's values as fp32, without a tensor op (each costs microseconds): the tensor's
+// own memory (kept alive here) when it already is contiguous fp32 and no copy is asked for, else a
+// converted copy. Default-constructed: no values, data() is nullptr.
 class Floats {
  public:
-  Floats(const at::Tensor& t, bool copy) {
-    TORCH_CHECK(t.is_contiguous(), "expected a contiguous tensor");
-    const int64_t n = t.numel();
-    if (t.scalar_type() == at::kFloat) {
-      data_ = t.data_ptr<float>();
+  Floats() = default;
+  Floats(const at::Tensor& t, bool copy) : tensor_(t.contiguous()) {
+    const int64_t n = tensor_.numel();
+    if (tensor_.scalar_type() == at::kFloat) {
+      data_ = tensor_.data_ptr<float>();
       if (!copy) return;
       owned_.assign(data_, data_ + n);
     } else {
-      TORCH_CHECK(t.scalar_type() == at::kBFloat16, "expected float32 or bfloat16, got ", t.scalar_type());
-      const at::BFloat16* p = t.data_ptr<at::BFloat16>();
+      TORCH_CHECK(tensor_.scalar_type() == at::kBFloat16, "expected float32 or bfloat16, got ", tensor_.scalar_type());
+      const at::BFloat16* p = tensor_.data_ptr<at::BFloat16>();
       owned_.resize(n);
       for (int64_t i = 0; i < n; ++i) owned_[i] = static_cast<float>(p[i]);
     }
@@ -49,6 +50,7 @@ class Floats {
   float* mutable_data() { return owned_.data(); }  // only when constructed with copy
 
  private:
+  at::Tensor tensor_;
   std::vector<float> owned_;
   const float* data_ = nullptr;
 };

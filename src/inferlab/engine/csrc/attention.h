@@ -1,0 +1,130 @@
+// Attention for decoding on AVX2 CPUs: one new query per sequence over all its cached keys, this
+// step's key and value written into the cache first.
+//
+// With a single query there is nothing to tile: each head is one pass over its keys (scores), a
+// softmax, and one pass over its values. The library's flash-attention kernel spends most of its
+// time on set-up at this size (measured here: ~50 us per layer in fp32, ~170 us in bf16, for a
+// 9-head, 256-token cache), which this loop does not have. Keys live in blocks of a pool found
+// through each sequence's block table (the contiguous cache is the case of one block per slot).
+// Query heads share key/value heads in groups (GQA); exp is a vectorized polynomial with relative
+// error below 2e-7. Used by the `decode_attention` op and the whole decode step (decode_step.cpp).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "simd.h"
+
+namespace inferlab {
+
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kKeysPerThread = 2048;  // below this many keys in all, one thread does every head
+
+// e^x for x <= 0 (scores minus their max): x = n ln2 + r, e^r by a degree-7 polynomial, times 2^n
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts, for exactness
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// One layer's keys or values: (num_blocks, H_kv, block_size, D), unit stride along D
+template <typename T>
+struct KvPool {
+  T* data;
+  int64_t block_stride, head_stride, row_stride, block_size;
+
+  explicit KvPool(const at::Tensor& pool)
+      : data(pool.data_ptr<T>()), block_stride(pool.stride(0)), head_stride(pool.stride(1)),
+        row_stride(pool.stride(2)), block_size(pool.size(2)) {}
+
+  // layer `layer` of every layer's pools (n_layers, num_blocks, H_kv, block_size, D)
+  KvPool(const at::Tensor& layers, int64_t layer)
+      : data(layers.data_ptr<T>() + layer * layers.stride(0)), block_stride(layers.stride(1)),
+        head_stride(layers.stride(2)), row_stride(layers.stride(3)), block_size(layers.size(3)) {}
+
+  // position l of head h of the sequence whose block table is `table`
+  T* row(const int64_t* table, int64_t h, int64_t l) const {
+    return data + table[l / block_size] * block_stride + h * head_stride + (l % block_size) * row_stride;
+  }
+};
+
+// out (D,) = softmax(q . k_l * scale over l < L) @ v, q (D,) fp32, over head h of one sequence's keys
+template <typename T>
+void attend_head(const float* q, const KvPool<T>& keys, const KvPool<T>& values, const int64_t* table, int64_t h,
+                 int64_t L, int64_t D, float scale, float* out) {
+  const int64_t V = D / 8;
+  __m256 qv[kMaxHeadDim / 8];
+  for (int64_t j = 0; j < V; ++j) qv[j] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * j), _mm256_set1_ps(scale));
+  std::vector<float> p(L);
+  float max_score = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < L; ++l) {
+    const T* key = keys.row(table, h, l);
+    __m256 acc = _mm256_mul_ps(qv[0], load8(key));
+    for (int64_t j = 1; j < V; ++j) acc = _mm256_fmadd_ps(qv[j], load8(key + 8 * j), acc);
+    p[l] = hsum(acc);
+    max_score = std::max(max_score, p[l]);
+  }
+  const __m256 max8 = _mm256_set1_ps(max_score);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t l = 0;
+  for (; l + 8 <= L; l += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + l), max8));
+    _mm256_storeu_ps(p.data() + l, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = hsum(sum8);
+  for (; l < L; ++l) sum += (p[l] = std::exp(p[l] - max_score));
+  __m256 acc[kMaxHeadDim / 8];
+  for (int64_t j = 0; j < V; ++j) acc[j] = _mm256_setzero_ps();
+  for (l = 0; l < L; ++l) {
+    const __m256 weight = _mm256_set1_ps(p[l]);
+    const T* value = values.row(table, h, l);
+    for (int64_t j = 0; j < V; ++j) acc[j] = _mm256_fmadd_ps(weight, load8(value + 8 * j), acc[j]);
+  }
+  const __m256 inv_sum = _mm256_set1_ps(1.0f / sum);
+  for (int64_t j = 0; j < V; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], inv_sum));
+}
+
+// For each of B sequences: write k, v (H_kv, D) at its position into the pools, then attend its q (H, D)
+// over positions 0..position. q, k, v, out fp32, rows of B; tables (B, table_width); H a multiple of H_kv.
+template <typename T>
+void write_and_attend(const float* q, const float* k, const float* v, const KvPool<T>& k_pool, const KvPool<T>& v_pool,
+                      const int64_t* tables, int64_t table_width, const int64_t* positions, int64_t B, int64_t H,
+                      int64_t H_kv, int64_t D, float scale, float* out) {
+  int64_t keys = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* table = tables + b * table_width;
+    for (int64_t h = 0; h < H_kv; ++h) {
+      const float* k_new = k + (b * H_kv + h) * D;
+      const float* v_new = v + (b * H_kv + h) * D;
+      std::transform(k_new, k_new + D, k_pool.row(table, h, positions[b]), [](float x) { return static_cast<T>(x); });
+      std::transform(v_new, v_new + D, v_pool.row(table, h, positions[b]), [](float x) { return static_cast<T>(x); });
+    }
+    keys += H * (positions[b] + 1);
+  }
+  const int64_t group = H / H_kv;
+  const int64_t grain = keys < kKeysPerThread ? B * H : 1;
+  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / H, h = i % H;
+      attend_head(q + i * D, k_pool, v_pool, tables + b * table_width, h / group, positions[b] + 1, D, scale,
+                  out + i * D);
+    }
+  });
+}
+
+}  // namespace inferlab

@@ -1,0 +1,170 @@
+// One decode step of the whole decoder in one call, for up to kMaxRows sequences at once.
+//
+// Per token and layer the Python model makes ~35 tensor-op calls of ~6 us each (on this 2-core CPU
+// ~7 ms a step, a third of an int8 step), around four matrix-vector products that themselves take
+// 10-30 ms. Here the same step is a loop in C++ over the layers: RMSNorm -> wqkv -> RoPE -> k/v
+// written to the cache -> attention -> wo -> residual, then RMSNorm -> w13 -> SwiGLU -> w2 ->
+// residual, and the final norm and LM head, with the projections on the gemv kernel (gemv.h) and the
+// attention on the block-table kernel (attention.h). The residual stream stays fp32 between layers.
+// The Python model (model/transformer.py) is the reference the tests hold this against.
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "attention.h"
+#include "gemv.h"
+
+namespace {
+
+using inferlab::Floats;
+using inferlab::KvPool;
+using inferlab::Projection;
+
+// A projection as Python hands it over: [weight, scales, mins, bias], absent parts as empty tensors
+Projection projection_from(const std::vector<at::Tensor>& parts) {
+  TORCH_CHECK(parts.size() == 4, "DecodePlan: a projection is [weight, scales, mins, bias]");
+  auto given = [](const at::Tensor& t) { return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt; };
+  return Projection(parts[0], given(parts[1]), given(parts[2]), given(parts[3]));
+}
+
+struct Layer {
+  Floats attention_norm;
+  Projection wqkv, wo;
+  Floats ffn_norm;
+  Projection w13, w2;
+};
+
+// x (D,) rotated by the position's cos/sin rows (sin negated on its first half: rotate-half layout)
+inline void rope(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < D; ++i) out[i] = x[i] * cos[i] + x[(i + half) % D] * sin[i];
+}
+
+inline void add_to(float* h, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] += y[i];
+}
+
+class DecodePlan : public torch::CustomClassHolder {
+ public:
+  // rope_cos, rope_sin: (max_seq_len, head_dim); norm: the final RMSNorm's weight; output: the LM head
+  DecodePlan(int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double norm_eps, at::Tensor rope_cos,
+             at::Tensor rope_sin, at::Tensor norm, std::vector<at::Tensor> output)
+      : H_(n_heads), H_kv_(n_kv_heads), D_(head_dim), eps_(norm_eps), cos_(rope_cos, false), sin_(rope_sin, false),
+        rope_rows_(rope_cos.size(0)), norm_(norm, false), output_(projection_from(output)), dim_(norm.numel()) {
+    TORCH_CHECK(H_ % H_kv_ == 0 && D_ % 8 == 0 && D_ <= inferlab::kMaxHeadDim,
+                "DecodePlan: heads must group evenly and head_dim be a multiple of 8 up to 256");
+    TORCH_CHECK(rope_cos.sizes() == rope_sin.sizes() && rope_cos.dim() == 2 && rope_cos.size(1) == D_,
+                "DecodePlan: rope tables must be (max_seq_len, head_dim)");
+    TORCH_CHECK(output_.K == dim_, "DecodePlan: the LM head takes ", output_.K, " features, the model has ", dim_);
+  }
+
+  void add_layer(at::Tensor attention_norm, std::vector<at::Tensor> wqkv, std::vector<at::Tensor> wo,
+                 at::Tensor ffn_norm, std::vector<at::Tensor> w13, std::vector<at::Tensor> w2) {
+    Layer layer{Floats(attention_norm, false), projection_from(wqkv), projection_from(wo), Floats(ffn_norm, false),
+                projection_from(w13), projection_from(w2)};
+    const int64_t qkv = (H_ + 2 * H_kv_) * D_;
+    TORCH_CHECK(attention_norm.numel() == dim_ && ffn_norm.numel() == dim_ && layer.wqkv.K == dim_ &&
+                layer.wqkv.N == qkv && layer.wo.K == H_ * D_ && layer.wo.N == dim_ && layer.w13.K == dim_ &&
+                layer.w13.N == 2 * layer.w2.K && layer.w2.N == dim_,
+                "DecodePlan: layer ", layers_.size(), "'s shapes do not fit the model's");
+    layers_.push_back(std::move(layer));
+  }
+
+  // x (B, dim) the new tokens' embeddings; caches (n_layers, num_blocks, H_kv, block_size, D);
+  // block_tables (B, n) int64; positions (B,) int64 -> logits (B, vocab) in x's dtype. Writes each
+  // sequence's k/v at its position of every layer's cache.
+  at::Tensor step(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                  at::Tensor positions) {
+    const int64_t B = x.size(0), L = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == dim_ && B >= 1 && B <= inferlab::kMaxRows,
+                "DecodePlan.step: x must be (B, ", dim_, ") with B <= ", inferlab::kMaxRows);
+    TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == L &&
+                k_cache.size(2) == H_kv_ && k_cache.size(4) == D_ && k_cache.stride(4) == 1 && v_cache.stride(4) == 1 &&
+                k_cache.scalar_type() == v_cache.scalar_type(),
+                "DecodePlan.step: caches must be (", L, ", blocks, ", H_kv_, ", block_size, ", D_, ")");
+    TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == B &&
+                positions.scalar_type() == at::kLong && positions.numel() == B,
+                "DecodePlan.step: block_tables (B, n) and positions (B,) must be int64");
+    const at::Tensor tables = block_tables.contiguous(), pos_tensor = positions.contiguous();
+    const int64_t* table = tables.data_ptr<int64_t>();
+    const int64_t* pos = pos_tensor.data_ptr<int64_t>();
+    const int64_t width = tables.size(1), block_size = k_cache.size(3);
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(pos[b] >= 0 && pos[b] < width * block_size && pos[b] < rope_rows_, "DecodePlan.step: position ",
+                  pos[b], " is outside the sequence's blocks or the rope tables");
+      for (int64_t j = 0; j <= pos[b] / block_size; ++j) {
+        TORCH_CHECK(table[b * width + j] >= 0 && table[b * width + j] < k_cache.size(1),
+                    "DecodePlan.step: block id out of range");
+      }
+    }
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
+                "DecodePlan.step: float32 or bfloat16 caches only, got ", k_cache.scalar_type());
+    return k_cache.scalar_type() == at::kFloat ? run<float>(x, k_cache, v_cache, table, width, pos)
+                                               : run<at::BFloat16>(x, k_cache, v_cache, table, width, pos);
+  }
+
+ private:
+  template <typename T>
+  at::Tensor run(const at::Tensor& x, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
+                 int64_t width, const int64_t* pos) const {
+    const int64_t B = x.size(0), qkv_width = (H_ + 2 * H_kv_) * D_, hidden = layers_.empty() ? 0 : layers_[0].w2.K;
+    Floats residual(x, /*copy=*/true);
+    float* h = residual.mutable_data();  // (B, dim), fp32 throughout
+    std::vector<float> normed(B * dim_), qkv(B * qkv_width), q(B * H_ * D_), k(B * H_kv_ * D_), v(B * H_kv_ * D_),
+        attended(B * H_ * D_), projected(B * dim_), gate_up(B * 2 * hidden);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
+    auto normalize = [&](const Floats& weight) {
+      std::copy(h, h + B * dim_, normed.begin());
+      inferlab::rms_normalize(normed.data(), B, dim_, weight.data(), eps_);
+    };
+    for (int64_t i = 0; i < static_cast<int64_t>(layers_.size()); ++i) {
+      const Layer& layer = layers_[i];
+      normalize(layer.attention_norm);
+      layer.wqkv(normed.data(), B, qkv.data());
+      for (int64_t b = 0; b < B; ++b) {  // each row: [q heads, k heads, v heads]; q and k rotated
+        const float* row = qkv.data() + b * qkv_width;
+        const float* cos = cos_.data() + pos[b] * D_;
+        const float* sin = sin_.data() + pos[b] * D_;
+        for (int64_t head = 0; head < H_; ++head) rope(row + head * D_, cos, sin, D_, q.data() + (b * H_ + head) * D_);
+        for (int64_t head = 0; head < H_kv_; ++head) {
+          rope(row + (H_ + head) * D_, cos, sin, D_, k.data() + (b * H_kv_ + head) * D_);
+        }
+        std::copy(row + (H_ + H_kv_) * D_, row + qkv_width, v.data() + b * H_kv_ * D_);
+      }
+      inferlab::write_and_attend(q.data(), k.data(), v.data(), KvPool<T>(k_cache, i), KvPool<T>(v_cache, i), table,
+                                 width, pos, B, H_, H_kv_, D_, scale, attended.data());
+      layer.wo(attended.data(), B, projected.data());
+      add_to(h, projected.data(), B * dim_);
+      normalize(layer.ffn_norm);
+      layer.w13(normed.data(), B, gate_up.data());
+      inferlab::swiglu(gate_up.data(), B, hidden);
+      layer.w2(gate_up.data(), B, projected.data());
+      add_to(h, projected.data(), B * dim_);
+    }
+    normalize(norm_);
+    at::Tensor logits = at::empty({B, output_.N}, x.options());
+    if (x.scalar_type() == at::kBFloat16) {
+      output_(normed.data(), B, logits.data_ptr<at::BFloat16>());
+    } else {
+      output_(normed.data(), B, logits.data_ptr<float>());
+    }
+    return logits;
+  }
+
+  int64_t H_, H_kv_, D_;
+  double eps_;
+  Floats cos_, sin_;
+  int64_t rope_rows_;
+  Floats norm_;
+  Projection output_;
+  int64_t dim_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inferlab, m) {
+  m.class_<DecodePlan>("DecodePlan")
+      .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>>())
+      .def("add_layer", &DecodePlan::add_layer)
+      .def("step", &DecodePlan::step);
+}

@@ -1,0 +1,72 @@
+"""The whole decode step in one C++ call (csrc/decode_step.cpp), where every layer can run on the CPU kernels.
+
+The Python model makes ~35 tensor-op calls per layer and token; on a 2-core CPU their dispatch alone
+is ~7 ms of a 20-40 ms step. `FusedDecode` hands the model's weights to a C++ plan once, at load, and
+then runs each step of up to GEMV_MAX_ROWS sequences as one call: embeddings in, logits out, every
+layer's k/v written to the cache on the way. It reads the cache through block tables, so it serves the
+contiguous slots (one max_seq_len block per slot) and the paged pool alike. Prompts, larger batches
+and anything it does not cover (`FusedDecode.build` returns None) keep the Python model, which is the
+reference the tests compare it with.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from inferlab.engine.kernels import (DECODE_ATTENTION_MAX_HEAD_DIM, GEMV_K_STEP, GEMV_MAX_K, GEMV_MAX_ROWS,
+                                     GemvLinear, fast_kernels_apply)
+from inferlab.model.transformer import Transformer
+from inferlab.quant.int4 import Int4GroupLinear
+from inferlab.quant.int8 import Int8Linear
+
+
+def projection_parts(linear: nn.Module) -> list[Tensor] | None:
+    """[weight, scales, mins, bias] as the C++ plan takes a projection (absent parts empty), or None when
+    this layer does not run on the gemv kernel."""
+    if linear.in_features % GEMV_K_STEP or linear.in_features > GEMV_MAX_K:
+        return None
+    if isinstance(linear, GemvLinear):
+        parts = [linear.weight, None, None, linear.bias]
+    elif isinstance(linear, Int8Linear) and linear.use_kernel:
+        parts = [linear.weight, linear.scales, None, linear.bias]
+    elif isinstance(linear, Int4GroupLinear) and linear.use_kernel and linear.layout == "rows":
+        parts = [linear.weight, linear.scales, linear.mins, linear.bias]
+    else:
+        return None
+    empty = linear.weight.new_empty(0)
+    return [empty if t is None else t.detach() for t in parts]
+
+
+class FusedDecode:
+    """One decode step of a Transformer: (tokens (B,), caches, block_tables (B, n), positions (B,)) -> logits."""
+
+    def __init__(self, model: Transformer, plan: torch.ScriptObject) -> None:
+        self.model, self.plan = model, plan
+
+    @classmethod
+    def build(cls, model: Transformer, device: torch.device, dtype: torch.dtype, kernels: str) -> FusedDecode | None:
+        config = model.config
+        if (not fast_kernels_apply(device, dtype, kernels) or config.head_dim % 8
+                or config.head_dim > DECODE_ATTENTION_MAX_HEAD_DIM):
+            return None
+        output = projection_parts(model.output)
+        layers = [[projection_parts(linear) for linear in (layer.attention.wqkv, layer.attention.wo,
+                                                           layer.feed_forward.w13, layer.feed_forward.w2)]
+                  for layer in model.layers]
+        if output is None or any(parts is None for layer in layers for parts in layer):
+            return None
+        plan = torch.classes.inferlab.DecodePlan(config.n_heads, config.n_kv_heads, config.head_dim, config.norm_eps,
+                                                 model.rope_cos, model.rope_sin, model.norm.weight.detach(), output)
+        for block, (wqkv, wo, w13, w2) in zip(model.layers, layers):
+            plan.add_layer(block.attention_norm.weight.detach(), wqkv, wo, block.ffn_norm.weight.detach(), w13, w2)
+        return cls(model, plan)
+
+    @staticmethod
+    def covers(batch_size: int) -> bool:
+        return batch_size <= GEMV_MAX_ROWS
+
+    def __call__(self, tokens: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                 positions: Tensor) -> Tensor:
+        # tokens (B,) -> logits (B, vocab); k_cache, v_cache (n_layers, num_blocks, n_kv_heads, block_size, head_dim)
+        x = self.model.tok_embeddings(tokens)  # (B, dim)
+        return self.plan.step(x, k_cache, v_cache, block_tables, positions)

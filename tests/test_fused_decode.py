@@ -1,0 +1,122 @@
+"""The whole decode step as one C++ call (engine/fused_decode.py) against the Python model it stands in for."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inferlab.engine.block_manager import BlockManager, BlockTable
+from inferlab.engine.fused_decode import FusedDecode
+from inferlab.engine.kernels import GEMV_MAX_ROWS, cpu_gemv_available
+from inferlab.engine.paged import PagedKVCache, forward_paged
+
+from conftest import tiny_engine, tiny_model
+
+pytestmark = pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here")
+
+CPU = torch.device("cpu")
+
+
+def count_decode_forwards(engine) -> list[int]:
+    """Record the Python model's single-token forwards: the fused step must leave none."""
+    calls: list[int] = []
+    forward = engine.model.forward
+
+    def counting(tokens, *args, **kwargs):
+        if tokens.shape[1] == 1:
+            calls.append(tokens.shape[0])
+        return forward(tokens, *args, **kwargs)
+
+    engine.model.forward = counting
+    return calls
+
+
+@pytest.mark.parametrize("cache_mode", ["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_fused_decode_matches_the_python_model(tiny_tokenizer, cache_mode, dtype, quant):
+    """Prefill (Python model) then 30 decode steps (one C++ call each) vs the portable engine, teacher-forced:
+    fp32 within summation-order noise; bf16 and the integer formats (int16 activation codes, fp32 residual
+    stream) by cosine and the greedy token."""
+    kwargs = dict(dtype=dtype, quant=quant, dim=96, n_heads=6, n_kv_heads=2, qkv_bias=True)  # GQA groups of 3, biases
+    reference = tiny_engine(tiny_tokenizer, cache_mode, kernels="portable", **kwargs)
+    fast = tiny_engine(tiny_tokenizer, cache_mode, kernels="fast", **kwargs)
+    assert reference.fused is None and fast.fused is not None
+    python_decodes = count_decode_forwards(fast)
+    prompt = list(range(20, 61))  # 41 tokens: the paged sequence crosses into its fourth 16-token block
+    ref_logits, ref_seq = reference.prefill(prompt)
+    fast_logits, fast_seq = fast.prefill(prompt)
+    for step in range(30):
+        expected, got = ref_logits.float(), fast_logits.float()
+        assert got.shape == expected.shape and fast_logits.dtype == ref_logits.dtype
+        if dtype == torch.float32 and quant is None:
+            assert (expected - got).abs().max() <= 1e-4, step
+            assert int(expected.argmax()) == int(got.argmax()), step
+        else:  # the same greedy token, but for a near-tie at the precision's resolution
+            assert F.cosine_similarity(expected, got, dim=0) >= 0.999, step
+            assert expected[got.argmax()] >= expected.max() - 0.05, step
+        token = int(expected.argmax())
+        ref_logits, fast_logits = reference.decode_step(token, ref_seq), fast.decode_step(token, fast_seq)
+    assert python_decodes == []
+    ref_seq.release()
+    fast_seq.release()
+
+
+def test_batched_paged_decode_of_sequences_of_different_lengths(tiny_tokenizer):
+    """Up to GEMV_MAX_ROWS sequences, each at its own position in its own scattered blocks, in one call: the
+    same logits and the same cache contents as the Python model over the same block tables."""
+    engine = tiny_engine(tiny_tokenizer, "paged", kernels="fast")
+    model, fused = engine.model, engine.fused
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 33, 2)]
+    caches = {name: PagedKVCache.allocate(model.config, 40, 8, torch.float32, CPU) for name in ("python", "fused")}
+    blocks = BlockManager(40, 8, block_bytes=1)
+    blocks.free_ids.reverse()  # hand blocks out in an order unlike the sequences' positions
+    tables = [BlockTable() for _ in prompts]
+    for table, prompt in zip(tables, prompts):
+        assert blocks.allocate(table, prompt, len(prompt) + 13)
+        for cache in caches.values():
+            forward_paged(model, cache, [prompt], [0], [table.blocks])
+        blocks.advance(table, prompt, len(prompt))
+    tokens = [list(p) for p in prompts]
+    for step in range(12):
+        nxt = [(7 * step + 31 * b) % 250 for b in range(len(prompts))]
+        starts = [t.num_computed for t in tables]
+        expected = forward_paged(model, caches["python"], [[t] for t in nxt], starts, [t.blocks for t in tables])
+        got = forward_paged(model, caches["fused"], [[t] for t in nxt], starts, [t.blocks for t in tables], fused)
+        assert (expected - got).abs().max() <= 1e-4, step
+        for table, seq_tokens, token in zip(tables, tokens, nxt):
+            seq_tokens.append(token)
+            blocks.advance(table, seq_tokens, 1)
+    assert (caches["python"].k - caches["fused"].k).abs().max() <= 1e-5
+    assert (caches["python"].v - caches["fused"].v).abs().max() <= 1e-5
+
+
+def test_the_engine_loop_decodes_a_batch_through_the_fused_step(tiny_tokenizer):
+    """generate_batch over the paged pool (continuous batching) gives what single requests give."""
+    prompts = [list(range(40, 40 + n)) for n in (9, 30, 3)]
+    fast = tiny_engine(tiny_tokenizer, "paged", kernels="fast")
+    reference = tiny_engine(tiny_tokenizer, "contiguous", kernels="portable")
+    python_decodes = count_decode_forwards(fast)
+    batch = fast.generate_batch(prompts, max_new_tokens=12)
+    assert [c.token_ids for c in batch] == [reference.generate(p, max_new_tokens=12).token_ids for p in prompts]
+    assert python_decodes == []
+
+
+def test_what_the_fused_step_does_not_cover_keeps_the_python_model(tiny_tokenizer):
+    assert FusedDecode.covers(GEMV_MAX_ROWS) and not FusedDecode.covers(GEMV_MAX_ROWS + 1)
+    assert tiny_engine(tiny_tokenizer, kernels="portable").fused is None
+    assert tiny_engine(tiny_tokenizer, "none", kernels="fast").fused is None  # the recompute baseline stays pure
+    assert tiny_engine(tiny_tokenizer).fused is None  # plain nn.Linear layers: no kernel chosen
+    assert tiny_engine(tiny_tokenizer, kernels="fast", dim=72, n_heads=9, n_kv_heads=3).fused is None  # K % 16
+    model = tiny_model()
+    assert FusedDecode.build(model, torch.device("cuda"), torch.float32, "fast") is None
+
+
+def test_the_plan_refuses_positions_outside_the_cache(tiny_tokenizer):
+    engine = tiny_engine(tiny_tokenizer, kernels="fast")
+    cache = engine.kv_cache
+    tokens, table = torch.tensor([5]), torch.tensor([[0]])
+    with pytest.raises(RuntimeError, match="outside"):
+        engine.fused(tokens, cache.k, cache.v, table, torch.tensor([cache.max_seq_len]))
+    with pytest.raises(RuntimeError, match="block id"):
+        engine.fused(tokens, cache.k, cache.v, torch.tensor([[cache.slots]]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="B <= 4"):
+        engine.fused(torch.arange(5), cache.k, cache.v, table.expand(5, 1), torch.zeros(5, dtype=torch.long))
