@@ -140,6 +140,8 @@ struct Int8Step {
 // 4-bit codes q in [0, 15], two per byte (even column in the low nibble), w = q * scale + min per group
 // of `group` columns (GGUF Q4_1's arithmetic). Per group: the integer dot of the codes with the int16
 // activation codes times the group's scale, plus its min times the group's sum of activation codes.
+// One flat loop over blocks of 32 columns with the group's end as a counter (a nested loop per group
+// ran ~1.3x slower: its accumulators did not stay in registers), the min terms as one dot per row.
 struct Int4Format {
   static constexpr int64_t kBlock = 32;  // columns per step: 16 bytes
   const uint8_t* w;                      // (N, K / 2)
@@ -166,36 +168,54 @@ struct Int4Format {
   template <int R, int M>
   void dot(int64_t n, float* acc) const {
     __m256 sum[R * M];
-    float min_terms[R * M] = {};
-    for (int i = 0; i < R * M; ++i) sum[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      __m256i dots[R * M];
-      for (int i = 0; i < R * M; ++i) dots[i] = _mm256_setzero_si256();
-      for (int64_t k = g * group; k < (g + 1) * group; k += kBlock) {
+    __m256i dots[R * M];
+    for (int i = 0; i < R * M; ++i) {
+      sum[i] = _mm256_setzero_ps();
+      dots[i] = _mm256_setzero_si256();
+    }
+    // one pass over the blocks of 32 columns; at each group's end its integer dots are scaled into the sums
+    const int64_t blocks_per_group = group / kBlock;
+    for (int64_t b = 0, left = blocks_per_group, g = 0; b < K / kBlock; ++b) {
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* bytes = w + (n + r) * (K / 2) + b * (kBlock / 2);
+        prefetch(bytes);
+        const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+        const __m256i even = _mm256_and_si256(codes, _mm256_set1_epi16(0x0F));  // 16 codes of columns 2i
+        const __m256i odd = _mm256_srli_epi16(codes, 4);                          // columns 2i + 1
+        for (int m = 0; m < M; ++m) {
+          const int16_t* xs = x.data() + m * K + b * kBlock;
+          const __m256i d = _mm256_add_epi32(
+              _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs))),
+              _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 16))));
+          dots[r * M + m] = _mm256_add_epi32(dots[r * M + m], d);
+        }
+      }
+      if (--left == 0) {
         for (int r = 0; r < R; ++r) {
-          const uint8_t* bytes = w + (n + r) * (K / 2) + k / 2;
-          prefetch(bytes);
-          const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-          const __m256i even = _mm256_and_si256(b, _mm256_set1_epi16(0x0F));  // 16 codes of columns k, k+2, ...
-          const __m256i odd = _mm256_srli_epi16(b, 4);                      // columns k+1, k+3, ...
+          const __m256 scale = _mm256_set1_ps(scales[(n + r) * G + g]);
           for (int m = 0; m < M; ++m) {
-            const int16_t* xs = x.data() + m * K + k;
-            const __m256i d = _mm256_add_epi32(
-                _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs))),
-                _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 16))));
-            dots[r * M + m] = _mm256_add_epi32(dots[r * M + m], d);
+            sum[r * M + m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r * M + m]), scale, sum[r * M + m]);
+            dots[r * M + m] = _mm256_setzero_si256();
           }
         }
-      }
-      for (int r = 0; r < R; ++r) {
-        const float scale = scales[(n + r) * G + g], min = mins[(n + r) * G + g];
-        for (int m = 0; m < M; ++m) {
-          sum[r * M + m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r * M + m]), _mm256_set1_ps(scale), sum[r * M + m]);
-          min_terms[r * M + m] += min * group_sums[m * G + g];
-        }
+        left = blocks_per_group;
+        ++g;
       }
     }
-    for (int i = 0; i < R * M; ++i) acc[i] = hsum(sum[i]) + min_terms[i];
+    for (int r = 0; r < R; ++r) {  // + the sum over groups of min * the group's activation codes, vectorized
+      const float* row_mins = mins + (n + r) * G;
+      for (int m = 0; m < M; ++m) {
+        const float* sums = group_sums.data() + m * G;
+        __m256 min_terms = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8) {
+          min_terms = _mm256_fmadd_ps(_mm256_loadu_ps(row_mins + g), _mm256_loadu_ps(sums + g), min_terms);
+        }
+        float total = hsum(sum[r * M + m]) + hsum(min_terms);
+        for (; g < G; ++g) total += row_mins[g] * sums[g];
+        acc[r * M + m] = total;
+      }
+    }
   }
 };
 
