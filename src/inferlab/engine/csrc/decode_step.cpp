@@ -6,7 +6,9 @@
 // written to the cache -> attention -> wo -> residual, then RMSNorm -> w13 -> SwiGLU -> w2 ->
 // residual, and the final norm and LM head, with the projections on the gemv kernel (gemv.h) and the
 // attention on the block-table kernel (attention.h). The residual stream stays fp32 between layers.
-// The Python model (model/transformer.py) is the reference the tests hold this against.
+// The Python model (model/transformer.py) is the reference the tests hold this against. Each phase is
+// a profiler range ("decode_step: ..."), so torch.profiler still shows where a step's time goes.
+#include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -38,6 +40,8 @@ inline void rope(const float* x, const float* cos, const float* sin, int64_t D, 
   const int64_t half = D / 2;
   for (int64_t i = 0; i < D; ++i) out[i] = x[i] * cos[i] + x[(i + half) % D] * sin[i];
 }
+
+const c10::ArrayRef<const c10::IValue> kNoInputs{};  // profiler ranges record no inputs
 
 inline void add_to(float* h, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) h[i] += y[i];
@@ -118,28 +122,44 @@ class DecodePlan : public torch::CustomClassHolder {
     };
     for (int64_t i = 0; i < static_cast<int64_t>(layers_.size()); ++i) {
       const Layer& layer = layers_[i];
-      normalize(layer.attention_norm);
-      layer.wqkv(normed.data(), B, qkv.data());
-      for (int64_t b = 0; b < B; ++b) {  // each row: [q heads, k heads, v heads]; q and k rotated
-        const float* row = qkv.data() + b * qkv_width;
-        const float* cos = cos_.data() + pos[b] * D_;
-        const float* sin = sin_.data() + pos[b] * D_;
-        for (int64_t head = 0; head < H_; ++head) rope(row + head * D_, cos, sin, D_, q.data() + (b * H_ + head) * D_);
-        for (int64_t head = 0; head < H_kv_; ++head) {
-          rope(row + (H_ + head) * D_, cos, sin, D_, k.data() + (b * H_kv_ + head) * D_);
-        }
-        std::copy(row + (H_ + H_kv_) * D_, row + qkv_width, v.data() + b * H_kv_ * D_);
+      {
+        RECORD_FUNCTION("decode_step: norm+wqkv", kNoInputs);
+        normalize(layer.attention_norm);
+        layer.wqkv(normed.data(), B, qkv.data());
       }
-      inferlab::write_and_attend(q.data(), k.data(), v.data(), KvPool<T>(k_cache, i), KvPool<T>(v_cache, i), table,
-                                 width, pos, B, H_, H_kv_, D_, scale, attended.data());
-      layer.wo(attended.data(), B, projected.data());
-      add_to(h, projected.data(), B * dim_);
-      normalize(layer.ffn_norm);
-      layer.w13(normed.data(), B, gate_up.data());
-      inferlab::swiglu(gate_up.data(), B, hidden);
-      layer.w2(gate_up.data(), B, projected.data());
-      add_to(h, projected.data(), B * dim_);
+      {
+        RECORD_FUNCTION("decode_step: rope+kv_write+attention", kNoInputs);
+        for (int64_t b = 0; b < B; ++b) {  // each row: [q heads, k heads, v heads]; q and k rotated
+          const float* row = qkv.data() + b * qkv_width;
+          const float* cos = cos_.data() + pos[b] * D_;
+          const float* sin = sin_.data() + pos[b] * D_;
+          for (int64_t head = 0; head < H_; ++head) rope(row + head * D_, cos, sin, D_, q.data() + (b * H_ + head) * D_);
+          for (int64_t head = 0; head < H_kv_; ++head) {
+            rope(row + (H_ + head) * D_, cos, sin, D_, k.data() + (b * H_kv_ + head) * D_);
+          }
+          std::copy(row + (H_ + H_kv_) * D_, row + qkv_width, v.data() + b * H_kv_ * D_);
+        }
+        inferlab::write_and_attend(q.data(), k.data(), v.data(), KvPool<T>(k_cache, i), KvPool<T>(v_cache, i), table,
+                                   width, pos, B, H_, H_kv_, D_, scale, attended.data());
+      }
+      {
+        RECORD_FUNCTION("decode_step: wo+residual", kNoInputs);
+        layer.wo(attended.data(), B, projected.data());
+        add_to(h, projected.data(), B * dim_);
+      }
+      {
+        RECORD_FUNCTION("decode_step: norm+w13", kNoInputs);
+        normalize(layer.ffn_norm);
+        layer.w13(normed.data(), B, gate_up.data());
+      }
+      {
+        RECORD_FUNCTION("decode_step: swiglu+w2+residual", kNoInputs);
+        inferlab::swiglu(gate_up.data(), B, hidden);
+        layer.w2(gate_up.data(), B, projected.data());
+        add_to(h, projected.data(), B * dim_);
+      }
     }
+    RECORD_FUNCTION("decode_step: norm+lm_head", kNoInputs);
     normalize(norm_);
     at::Tensor logits = at::empty({B, output_.N}, x.options());
     if (x.scalar_type() == at::kBFloat16) {
