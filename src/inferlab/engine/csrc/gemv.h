@@ -23,7 +23,6 @@
 namespace inferlab {
 
 constexpr int64_t kMaxRows = 4;       // activation rows per call (decode batch); more go to a GEMM
-constexpr int64_t kRowsPerTile = 4;   // weight rows streamed together when there is one activation row
 constexpr int64_t kGrain = 64;        // weight rows per thread at least
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead each row is requested: one core alone keeps too few loads in flight
 constexpr int64_t kStep = 16;         // weights per row read per step; K must be a multiple of it
@@ -59,6 +58,7 @@ void deinterleave(T* x, int64_t K, int64_t block) {
 // The dense formats share one loop over steps of kStep weights (DenseFormat); int4 has groups.
 template <typename Step>
 struct DenseFormat {
+  static constexpr int kTileRows = Step::kTileRows;  // weight rows read together for one activation row
   using W = typename Step::W;
   using X = typename Step::X;
   const W* w;
@@ -75,6 +75,17 @@ struct DenseFormat {
     typename Step::Acc sum[R * M];
     for (int i = 0; i < R * M; ++i) sum[i] = Step::zero();
     const W* rows = w + n * K;
+    if constexpr (R == 1 && M == 1) {  // one row, read as one stream into four independent partial sums
+      typename Step::Acc part[4] = {Step::zero(), Step::zero(), Step::zero(), Step::zero()};
+      int64_t k = 0;
+      for (; k + 4 * kStep <= K; k += 4 * kStep) {
+        prefetch(rows + k);
+        for (int j = 0; j < 4; ++j) part[j] = Step::step(rows + k + j * kStep, x.data() + k + j * kStep, part[j]);
+      }
+      for (; k < K; k += kStep) part[0] = Step::step(rows + k, x.data() + k, part[0]);
+      acc[0] = Step::total(part[0]) + Step::total(part[1]) + Step::total(part[2]) + Step::total(part[3]);
+      return;
+    }
     for (int64_t k = 0; k < K; k += kStep) {
       for (int r = 0; r < R; ++r) {
         prefetch(rows + r * K + k);
@@ -86,6 +97,7 @@ struct DenseFormat {
 };
 
 struct Fp32Step {
+  static constexpr int kTileRows = 4;
   using W = float;
   using X = float;
   using Acc = __m256;
@@ -104,6 +116,7 @@ struct Fp32Step {
 // bf16 is the high half of an fp32: a 32-bit lane holding weights 2i and 2i+1 gives weight 2i shifted
 // up and weight 2i+1 masked, so the activations of each step are stored evens first, then odds.
 struct Bf16Step {
+  static constexpr int kTileRows = 4;
   using W = at::BFloat16;
   using X = float;
   using Acc = __m256;
@@ -125,6 +138,9 @@ struct Bf16Step {
 
 // int8 weights times int16 activation codes, summed exactly in int32 by madd (one instruction per 16).
 struct Int8Step {
+  // one row at a time, as one stream: int8 rows are short (one 576-byte row of the model is 9 cache
+  // lines), and 4 of them in flight per thread streamed ~20% slower here than one
+  static constexpr int kTileRows = 1;
   using W = int8_t;
   using X = int16_t;
   using Acc = __m256i;
@@ -143,6 +159,7 @@ struct Int8Step {
 // One flat loop over blocks of 32 columns with the group's end as a counter (a nested loop per group
 // ran ~1.3x slower: its accumulators did not stay in registers), the min terms as one dot per row.
 struct Int4Format {
+  static constexpr int kTileRows = 4;    // one activation row: 4 weight rows streamed together
   static constexpr int64_t kBlock = 32;  // columns per step: 16 bytes
   const uint8_t* w;                      // (N, K / 2)
   int64_t K, group, G;
@@ -222,7 +239,7 @@ struct Int4Format {
 // y[m, n] = dot(n, m) * x_scale[m] * scales[n] + bias[n] for n in [begin, end)
 template <typename F, typename Y, int M>
 void rows(const F& f, const float* scales, const float* bias, Y* y, int64_t N, int64_t begin, int64_t end) {
-  constexpr int R = M == 1 ? kRowsPerTile : 1;
+  constexpr int R = M == 1 ? F::kTileRows : 1;  // weight rows per dot call
   float acc[R * M];
   auto store = [&](int64_t row, int r) {
     const float s = scales ? scales[row] : 1.0f, b = bias ? bias[row] : 0.0f;
