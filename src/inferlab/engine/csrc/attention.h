@@ -63,6 +63,34 @@ struct KvPool {
   }
 };
 
+// Where each of B sequences keeps its keys: its row of `block_tables` (B, width) int64, and the position
+// of its new token, `positions` (B,) int64; checked against a pool of num_blocks blocks of block_size
+struct SequenceBlocks {
+  at::Tensor tables, positions;  // contiguous
+  const int64_t* table;          // (B, width)
+  const int64_t* pos;            // (B,)
+  int64_t width;
+
+  SequenceBlocks(const at::Tensor& block_tables, const at::Tensor& positions_, int64_t B, int64_t num_blocks,
+                 int64_t block_size, const char* who) {
+    TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == B &&
+                positions_.scalar_type() == at::kLong && positions_.numel() == B,
+                who, ": block_tables (B, n) and positions (B,) must be int64");
+    tables = block_tables.contiguous();
+    positions = positions_.contiguous();
+    table = tables.data_ptr<int64_t>();
+    pos = positions.data_ptr<int64_t>();
+    width = tables.size(1);
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(pos[b] >= 0 && pos[b] < width * block_size, who, ": position ", pos[b],
+                  " is outside the sequence's blocks");
+      for (int64_t j = 0; j <= pos[b] / block_size; ++j) {
+        TORCH_CHECK(table[b * width + j] >= 0 && table[b * width + j] < num_blocks, who, ": block id out of range");
+      }
+    }
+  }
+};
+
 // out (D,) = softmax(q . k_l * scale over l < L) @ v, q (D,) fp32, over head h of one sequence's keys
 template <typename T>
 void attend_head(const float* q, const KvPool<T>& keys, const KvPool<T>& values, const int64_t* table, int64_t h,

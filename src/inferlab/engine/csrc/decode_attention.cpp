@@ -23,26 +23,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(D % 8 == 0 && D <= inferlab::kMaxHeadDim, "decode_attention: head_dim must be a multiple of 8 up to 256");
   TORCH_CHECK(k_pool.stride(3) == 1 && v_pool.stride(3) == 1, "decode_attention: pools must be contiguous along D");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "decode_attention: the pools must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == B &&
-              positions.scalar_type() == at::kLong && positions.numel() == B,
-              "decode_attention: block_tables (B, n) and positions (B,) must be int64");
-  const at::Tensor tables = block_tables.contiguous(), pos = positions.contiguous();
-  const int64_t* table = tables.data_ptr<int64_t>();
-  const int64_t* p = pos.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(p[b] >= 0 && p[b] < tables.size(1) * k_pool.size(2), "decode_attention: position ", p[b],
-                " is outside the sequence's blocks");
-    for (int64_t j = 0; j <= p[b] / k_pool.size(2); ++j) {
-      TORCH_CHECK(table[b * tables.size(1) + j] >= 0 && table[b * tables.size(1) + j] < k_pool.size(0),
-                  "decode_attention: block id out of range");
-    }
-  }
+  const inferlab::SequenceBlocks seqs(block_tables, positions, B, k_pool.size(0), k_pool.size(2), "decode_attention");
   const Floats qf(q, false), kf(k, false), vf(v, false);
   at::Tensor out = at::empty({B, H, 1, D}, q.options().dtype(at::kFloat));
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    inferlab::write_and_attend(qf.data(), kf.data(), vf.data(), KvPool<T>(k_pool), KvPool<T>(v_pool), table,
-                               tables.size(1), p, B, H, H_kv, D, static_cast<float>(scale), out.data_ptr<float>());
+    inferlab::write_and_attend(qf.data(), kf.data(), vf.data(), KvPool<T>(k_pool), KvPool<T>(v_pool), seqs.table,
+                               seqs.width, seqs.pos, B, H, H_kv, D, static_cast<float>(scale), out.data_ptr<float>());
   };
   switch (k_pool.scalar_type()) {
     case at::kFloat: run(static_cast<float*>(nullptr)); break;

@@ -85,25 +85,14 @@ class DecodePlan : public torch::CustomClassHolder {
                 k_cache.size(2) == H_kv_ && k_cache.size(4) == D_ && k_cache.stride(4) == 1 && v_cache.stride(4) == 1 &&
                 k_cache.scalar_type() == v_cache.scalar_type(),
                 "DecodePlan.step: caches must be (", L, ", blocks, ", H_kv_, ", block_size, ", D_, ")");
-    TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == B &&
-                positions.scalar_type() == at::kLong && positions.numel() == B,
-                "DecodePlan.step: block_tables (B, n) and positions (B,) must be int64");
-    const at::Tensor tables = block_tables.contiguous(), pos_tensor = positions.contiguous();
-    const int64_t* table = tables.data_ptr<int64_t>();
-    const int64_t* pos = pos_tensor.data_ptr<int64_t>();
-    const int64_t width = tables.size(1), block_size = k_cache.size(3);
+    const inferlab::SequenceBlocks seqs(block_tables, positions, B, k_cache.size(1), k_cache.size(3), "DecodePlan.step");
     for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(pos[b] >= 0 && pos[b] < width * block_size && pos[b] < rope_rows_, "DecodePlan.step: position ",
-                  pos[b], " is outside the sequence's blocks or the rope tables");
-      for (int64_t j = 0; j <= pos[b] / block_size; ++j) {
-        TORCH_CHECK(table[b * width + j] >= 0 && table[b * width + j] < k_cache.size(1),
-                    "DecodePlan.step: block id out of range");
-      }
+      TORCH_CHECK(seqs.pos[b] < rope_rows_, "DecodePlan.step: position ", seqs.pos[b], " is outside the rope tables");
     }
     TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
                 "DecodePlan.step: float32 or bfloat16 caches only, got ", k_cache.scalar_type());
-    return k_cache.scalar_type() == at::kFloat ? run<float>(x, k_cache, v_cache, table, width, pos)
-                                               : run<at::BFloat16>(x, k_cache, v_cache, table, width, pos);
+    return k_cache.scalar_type() == at::kFloat ? run<float>(x, k_cache, v_cache, seqs.table, seqs.width, seqs.pos)
+                                               : run<at::BFloat16>(x, k_cache, v_cache, seqs.table, seqs.width, seqs.pos);
   }
 
  private:
