@@ -3,9 +3,11 @@
 Decoding multiplies a handful of activation rows by every weight matrix, so its speed is how fast
 the weights stream from memory. On CPU the library paths fall well short of that for these
 matrix-vector products (measured on the 121 matrices of SmolLM2-135M, 2 threads: F.linear fp32
-13.5 GB/s, oneDNN-prepacked 17.3, this kernel 22.9), so inferlab builds its own AVX2 kernel (csrc/gemv.cpp: fp32, bf16,
-int8 and int4 weights, one pass over each row) on first use and caches the build. It takes calls of at
-most GEMV_MAX_ROWS rows; prompts and large batches are GEMMs, where `F.linear` is the right tool.
+13.5 GB/s, oneDNN-prepacked 17.3, this kernel 22.9), so inferlab builds its own AVX2 kernels on first
+use and caches the build: csrc/gemv.h (fp32, bf16, int8 and int4 weights, one pass over each row),
+csrc/attention.h (one query per sequence through block tables) and csrc/decode_step.cpp (the whole
+decode step, engine/fused_decode.py). The GEMV takes calls of at most GEMV_MAX_ROWS rows; prompts
+and large batches are GEMMs, where `F.linear` is the right tool.
 `kernels=portable`, other devices, and machines without AVX2 or a C++ compiler keep `F.linear`.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ from inferlab.errors import InvalidRequestError
 from inferlab.model.transformer import RMSNorm, swiglu
 from inferlab.paths import cache_dir
 
-GEMV_MAX_ROWS, GEMV_K_STEP, GEMV_MAX_K = 4, 16, 8192  # kMaxRows, kStep and the K limit in csrc/gemv.cpp
+GEMV_MAX_ROWS, GEMV_K_STEP, GEMV_MAX_K = 4, 16, 8192  # kMaxRows, kStep and the K limit in csrc/gemv.h
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv.cpp", "decode_attention.cpp", "decode_step.cpp")]
 DECODE_ATTENTION_MAX_HEAD_DIM = 256
 KERNEL_CHOICES = ("fast", "portable")

@@ -37,8 +37,9 @@ struct Layer {
 
 // x (D,) rotated by the position's cos/sin rows (sin negated on its first half: rotate-half layout)
 inline void rope(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < D; ++i) out[i] = x[i] * cos[i] + x[(i + half) % D] * sin[i];
+  const int64_t half = D / 2;  // each half pairs with the other: out = x * cos + roll(x, half) * sin
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
+  for (int64_t i = half; i < D; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
 const c10::ArrayRef<const c10::IValue> kNoInputs{};  // profiler ranges record no inputs
@@ -68,7 +69,7 @@ class DecodePlan : public torch::CustomClassHolder {
     const int64_t qkv = (H_ + 2 * H_kv_) * D_;
     TORCH_CHECK(attention_norm.numel() == dim_ && ffn_norm.numel() == dim_ && layer.wqkv.K == dim_ &&
                 layer.wqkv.N == qkv && layer.wo.K == H_ * D_ && layer.wo.N == dim_ && layer.w13.K == dim_ &&
-                layer.w13.N == 2 * layer.w2.K && layer.w2.N == dim_,
+                layer.w13.N == 2 * layer.w2.K && layer.w2.N == dim_ && (layers_.empty() || layer.w2.K == layers_[0].w2.K),
                 "DecodePlan: layer ", layers_.size(), "'s shapes do not fit the model's");
     layers_.push_back(std::move(layer));
   }
