@@ -66,3 +66,27 @@ def test_server_target_starts_drives_and_stops_a_real_server(tmp_path: Path):
     assert row["p50_ttft_ms"] > 0 and row["total_output_tokens"] > 0
     log = (path.parent / "server.log").read_text()
     assert "Finished server process" in log  # stopped cleanly when the job ended
+
+
+@pytest.mark.slow
+def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path: Path):
+    run = bench("study=peers", "size=smoke", "model=smollm2-135m", "precision=int8", "measure.repeats=2",
+                f"results_root={tmp_path}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (path,) = tmp_path.rglob("result.json")
+    result = json.loads(path.read_text())
+    assert result["status"] == "ok", result["error"]
+    rows = {row["engine"]: row for row in result["rows"]}
+    assert set(rows) == {"inferlab", "transformers", "llama.cpp"}
+    assert rows["transformers"]["decode_tok_s"] is None and "no int8 path" in rows["transformers"]["note"]
+    bandwidth = rows["inferlab"]["bandwidth_gb_s"]
+    assert bandwidth > 0 and all(row["bandwidth_gb_s"] == bandwidth for row in rows.values())  # one probe for all
+    measured = [row for row in rows.values() if row["decode_tok_s"] is not None]
+    assert rows["inferlab"] in measured
+    for row in measured:  # the roofline is the probed bandwidth over the bytes this engine's weights take
+        assert row["roofline_tok_s"] == pytest.approx(bandwidth * 1e9 / (row["weight_mb"] * 2**20))
+        assert row["pct_roofline"] == pytest.approx(100 * row["decode_tok_s"] / row["roofline_tok_s"])
+    if rows["llama.cpp"]["decode_tok_s"] is None:  # the peers extra is not installed here
+        assert "pip install" in rows["llama.cpp"]["note"]
+    else:
+        assert rows["llama.cpp"]["note"].endswith(".int8.gguf")

@@ -1,23 +1,25 @@
 """peers: batch-1 decode tokens/s of inferlab, Hugging Face transformers and llama.cpp on the same GGUF.
 
 Every engine is timed the same way: token arrival times while generating `new_tokens` greedy tokens after
-the same prompt ids, decode rate = (n - 1) / (t_last - t_first). The roofline is the read bandwidth measured
-here over the bytes of weights one decode step reads.
+the same prompt ids, decode rate = (n - 1) / (t_last - t_first), in rounds that probe the machine's read
+bandwidth and then run every engine once (medians over the rounds). The roofline is that bandwidth over the
+bytes of weights one decode step reads.
 """
 from __future__ import annotations
 
 import ctypes
+import statistics
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 from omegaconf import DictConfig
+from tqdm.auto import tqdm
 
 from inferlab.api import engine_from_config
 from inferlab.bench.studies import Rows, StudyUnavailable, register
-from inferlab.bench.studies.common import (decode_loop, decode_rate, median_of, prompt_ids, read_bandwidth_gb_s,
-                                           require)
+from inferlab.bench.studies.common import decode_loop, decode_rate, prompt_ids, read_bandwidth_gb_s, require
 from inferlab.engine.engine import InferenceEngine
 from inferlab.quant.apply import weight_bytes
 from inferlab.paths import cache_dir
@@ -36,25 +38,35 @@ def run(cfg: DictConfig) -> Rows:
         raise StudyUnavailable("peers compares engines on one GGUF file: use a GGUF model (model=smollm2-135m)")
     m = cfg.measure
     ids = prompt_ids(cfg, engine, int(m.prompt_tokens))
-    bandwidth = read_bandwidth_gb_s(int(m.bandwidth_mb), engine.config.device)
-    common = {"bandwidth_gb_s": bandwidth, "prompt_tokens": len(ids), "new_tokens": int(m.new_tokens),
-              "torch_threads": torch.get_num_threads()}
     makers: dict[str, Callable[[], tuple[Runner, int, str]]] = {
         "inferlab": lambda: (inferlab_runner(engine), weight_bytes(engine.model), engine.loaded.source),
         "transformers": lambda: transformers_runner(gguf, cfg.precision, engine.config.device),
         "llama.cpp": lambda: llama_cpp_runner(gguf, cfg.precision.name),
     }
-    rows = []
+    common = {"prompt_tokens": len(ids), "new_tokens": int(m.new_tokens), "torch_threads": torch.get_num_threads()}
+    peers, unavailable = {}, []
     for name in cfg.study.engines:
         try:
-            runner, nbytes, note = makers[name]()
+            peers[name] = makers[name]()
         except StudyUnavailable as e:
-            rows.append({"engine": name, "decode_tok_s": None, "note": str(e), **common})
-            continue
-        rate = median_of(lambda: decode_rate(runner(ids, int(m.new_tokens))), int(m.warmup), int(m.repeats))
+            unavailable.append({"engine": name, "decode_tok_s": None, "note": str(e)})
+
+    # Round robin: each round probes the bandwidth, then runs every engine once, so the probe and all
+    # engines see the same states of a shared machine (its speed drifts by tens of percent over minutes).
+    def one_round() -> tuple[float, dict[str, float]]:
+        bandwidth = read_bandwidth_gb_s(int(m.bandwidth_mb), engine.config.device)
+        return bandwidth, {name: decode_rate(runner(ids, int(m.new_tokens))) for name, (runner, _, _) in peers.items()}
+
+    for _ in range(int(m.warmup)):
+        one_round()
+    rounds = [one_round() for _ in tqdm(range(int(m.repeats)), desc="peers rounds", leave=False)]
+    bandwidth = statistics.median(b for b, _ in rounds)
+    rows = [{**row, "bandwidth_gb_s": bandwidth, **common} for row in unavailable]
+    for name, (_, nbytes, note) in peers.items():
+        rate = statistics.median(rates[name] for _, rates in rounds)
         roofline = bandwidth * 1e9 / nbytes
         rows.append({"engine": name, "decode_tok_s": rate, "weight_mb": nbytes / 2**20, "roofline_tok_s": roofline,
-                     "pct_roofline": 100.0 * rate / roofline, "note": note, **common})
+                     "pct_roofline": 100.0 * rate / roofline, "note": note, "bandwidth_gb_s": bandwidth, **common})
     return rows
 
 
