@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from inferlab.engine.block_manager import BlockManager, BlockTable
+from inferlab.engine.drafters import ModelRunner
 from inferlab.engine.fused_decode import FusedDecode
 from inferlab.engine.kernels import GEMV_MAX_ROWS, cpu_gemv_available
 from inferlab.engine.paged import PagedKVCache, forward_paged
@@ -65,9 +66,9 @@ def test_batched_paged_decode_of_sequences_of_different_lengths(tiny_tokenizer):
     same logits and the same cache contents as the Python model over the same block tables."""
     engine = tiny_engine(tiny_tokenizer, "paged", kernels="fast")
     model, fused = engine.model, engine.fused
-    prompts = [list(range(3, 3 + n)) for n in (5, 17, 33, 2)]
-    caches = {name: PagedKVCache.allocate(model.config, 40, 8, torch.float32, CPU) for name in ("python", "fused")}
-    blocks = BlockManager(40, 8, block_bytes=1)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 33, 2, 9, 1, 25)]  # 7: two dot calls of 4 and 3 rows
+    caches = {name: PagedKVCache.allocate(model.config, 64, 8, torch.float32, CPU) for name in ("python", "fused")}
+    blocks = BlockManager(64, 8, block_bytes=1)
     blocks.free_ids.reverse()  # hand blocks out in an order unlike the sequences' positions
     tables = [BlockTable() for _ in prompts]
     for table, prompt in zip(tables, prompts):
@@ -87,6 +88,30 @@ def test_batched_paged_decode_of_sequences_of_different_lengths(tiny_tokenizer):
             blocks.advance(table, seq_tokens, 1)
     assert (caches["python"].k - caches["fused"].k).abs().max() <= 1e-5
     assert (caches["python"].v - caches["fused"].v).abs().max() <= 1e-5
+
+
+def test_a_few_tokens_of_one_sequence_run_as_the_rows_of_one_step(tiny_tokenizer):
+    """ModelRunner (the target of speculative decoding) feeds up to GEMV_MAX_ROWS tokens of its sequence as the
+    rows of one fused step: the logits at every position equal the Python model's causal forward, and the
+    cache ends the same; longer feeds keep the Python model."""
+    engine = tiny_engine(tiny_tokenizer, kernels="fast")
+    fast, reference = ModelRunner(engine.model, 64, engine.fused), ModelRunner(engine.model, 64)
+    python_forwards: list[int] = []
+    forward = engine.model.forward
+    for n in (6, 12, 4, 1, GEMV_MAX_ROWS, 3):  # 12: more rows than one step takes
+        ids = [(13 * n + 5 * i) % 250 for i in range(n)]
+        expected = reference.forward(ids)
+        engine.model.forward = lambda tokens, *a, **kw: python_forwards.append(tokens.shape[1]) or forward(tokens, *a, **kw)
+        got = fast.forward(ids)
+        engine.model.forward = forward
+        assert got.shape == expected.shape == (n, engine.model.config.vocab_size)
+        assert (expected - got).abs().max() <= 1e-4, n
+    assert python_forwards == [12]
+    assert fast.length == reference.length == 34
+    assert (fast.cache.k[:, :, :, :34] - reference.cache.k[:, :, :, :34]).abs().max() <= 1e-5
+    last = fast.forward([7, 8], last_only=True)
+    assert last.shape == (1, engine.model.config.vocab_size)
+    assert (last - reference.forward([7, 8], last_only=True)).abs().max() <= 1e-4
 
 
 def test_the_engine_loop_decodes_a_batch_through_the_fused_step(tiny_tokenizer):
@@ -118,5 +143,6 @@ def test_the_plan_refuses_positions_outside_the_cache(tiny_tokenizer):
         engine.fused(tokens, cache.k, cache.v, table, torch.tensor([cache.max_seq_len]))
     with pytest.raises(RuntimeError, match="block id"):
         engine.fused(tokens, cache.k, cache.v, torch.tensor([[cache.slots]]), torch.tensor([0]))
-    with pytest.raises(RuntimeError, match="B <= 4"):
-        engine.fused(torch.arange(5), cache.k, cache.v, table.expand(5, 1), torch.zeros(5, dtype=torch.long))
+    too_many = GEMV_MAX_ROWS + 1
+    with pytest.raises(RuntimeError, match=f"B <= {GEMV_MAX_ROWS}"):
+        engine.fused(torch.arange(too_many), cache.k, cache.v, table.expand(too_many, 1), torch.zeros(too_many, dtype=torch.long))

@@ -10,6 +10,7 @@ from conftest import tiny_engine, tiny_model
 from inferlab.api import load_engine
 from inferlab.engine.drafters import ModelDrafter, NgramDrafter
 from inferlab.engine.engine import GenerationRequest
+from inferlab.engine.kernels import cpu_gemv_available
 from inferlab.engine.speculative import Speculation
 from inferlab.errors import ModelLoadError
 from inferlab.train.checkpoint import save_checkpoint
@@ -19,10 +20,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = ["abcabcabcab", "the cat sat on the mat; the cat", "xyz"]
 
 
+@pytest.mark.parametrize("kernels", [None, "fast"])  # fast: the target verifies through the fused C++ step
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
-def test_engine_greedy_equals_spec_off(tiny_tokenizer, kind):
+def test_engine_greedy_equals_spec_off(tiny_tokenizer, kind, kernels):
     plain = tiny_engine(tiny_tokenizer, max_new_tokens=20)
-    spec = tiny_engine(tiny_tokenizer, max_new_tokens=20)
+    spec = tiny_engine(tiny_tokenizer, max_new_tokens=20, kernels=kernels)
+    if kernels == "fast" and not cpu_gemv_available():
+        pytest.skip("no AVX2 CPU or no C++ toolchain here")
+    assert (spec.fused is not None) == (kernels == "fast")
     spec.speculation = Speculation(NgramDrafter() if kind == "ngram" else ModelDrafter(tiny_model(0, n_layers=1)), 3)
     for prompt in PROMPTS:
         want, got = plain.generate(prompt), spec.generate(prompt)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -20,30 +20,39 @@ from inferlab.engine.sampling import SamplingParams, probabilities
 from inferlab.errors import ModelLoadError
 from inferlab.model.transformer import Transformer
 
+if TYPE_CHECKING:
+    from inferlab.engine.fused_decode import FusedDecode
+
 
 class ModelRunner:
     """One sequence's forward passes over a single-slot KV cache. Rollback = lowering `length`.
 
     Entries past `length` are stale and get overwritten by the next forward; nothing is copied.
+    With `fused` (the target's C++ decode step), forwards of up to GEMV_MAX_ROWS tokens run as one call.
     """
 
-    def __init__(self, model: Transformer, capacity: int) -> None:
-        self.model = model
+    def __init__(self, model: Transformer, capacity: int, fused: FusedDecode | None = None) -> None:
+        self.model, self.fused = model, fused
         self.device = model.rope_cos.device
         if capacity > model.config.max_seq_len:
             raise ValueError(f"sequence of {capacity} tokens exceeds the model's context {model.config.max_seq_len}")
         self.cache = KVCache(model.config, 1, capacity, model.rope_cos.dtype, self.device)
         self.length = 0  # tokens whose KV is valid
+        self.block_table = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # the one slot is one block
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], last_only: bool = False) -> Tensor:
         """Append `token_ids` at `length`; logits (T, vocab), or (1, vocab) with `last_only`."""
         n = len(token_ids)
-        tokens = torch.tensor([token_ids], device=self.device)
-        positions = torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
-        logits = self.model(tokens, positions, CachedAttend(self.cache, self.length, n), last_only=last_only)
+        if self.fused is not None and self.fused.covers(n):
+            logits = self.fused.extend(token_ids, self.cache.k, self.cache.v, self.block_table, self.length)
+            logits = logits[-1:] if last_only else logits
+        else:
+            tokens = torch.tensor([token_ids], device=self.device)
+            positions = torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
+            logits = self.model(tokens, positions, CachedAttend(self.cache, self.length, n), last_only=last_only)[0]
         self.length += n
-        return logits[0]
+        return logits
 
 
 @dataclass

@@ -94,12 +94,11 @@ class CachedSequence(Sequence):
 
     def forward(self, token_ids: list[int]) -> Tensor:
         n = len(token_ids)
-        if n == 1 and self.fused is not None:
+        if self.fused is not None and self.fused.covers(n):
             cache = self.pool.cache
-            logits = self.fused(torch.tensor(token_ids, device=self.device), cache.k, cache.v, self.block_table,
-                                torch.tensor([self.length], device=self.device))
-            self.length += 1
-            return logits[0]
+            logits = self.fused.extend(token_ids, cache.k, cache.v, self.block_table, self.length)
+            self.length += n
+            return logits[-1]
         tokens = torch.tensor([token_ids], device=self.device)
         positions = torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
         attend = CachedAttend(self.pool.cache, self.length, n, slice(self.slot, self.slot + 1))
@@ -294,7 +293,8 @@ class InferenceEngine:
         """A drafter proposes, the target verifies K+1 positions per forward (engine/speculative.py)."""
         self.check_prompt(prompt_ids)
         request = self._new_request(prompt_ids, params, emit=lambda item: None)  # events are yielded, not emitted
-        session = self.speculation.start(self.model, prompt_ids, params, request.max_new_tokens, request.generator)
+        session = self.speculation.start(self.model, prompt_ids, params, request.max_new_tokens, request.generator,
+                                         self.fused)
         with self._lock:
             self._single_running += 1
         try:

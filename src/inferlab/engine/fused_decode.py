@@ -70,3 +70,13 @@ class FusedDecode:
         # tokens (B,) -> logits (B, vocab); k_cache, v_cache (n_layers, num_blocks, n_kv_heads, block_size, head_dim)
         x = self.model.tok_embeddings(tokens)  # (B, dim)
         return self.plan.step(x, k_cache, v_cache, block_tables, positions)
+
+    def extend(self, token_ids: list[int], k_cache: Tensor, v_cache: Tensor, block_table: Tensor, start: int) -> Tensor:
+        """n <= GEMV_MAX_ROWS new tokens of ONE sequence at positions start.. as the n rows of one step -> logits
+        (n, vocab). Each layer writes every row's k/v before any row attends, and row i attends to positions up to
+        start + i: the causal forward of the n tokens (a speculative verification, a short prompt)."""
+        n = len(token_ids)
+        device = k_cache.device
+        tokens = torch.tensor(token_ids, device=device)
+        positions = torch.arange(start, start + n, device=device)
+        return self(tokens, k_cache, v_cache, block_table.expand(n, -1), positions)

@@ -25,7 +25,7 @@ from inferlab.errors import InvalidRequestError
 from inferlab.model.transformer import RMSNorm, swiglu
 from inferlab.paths import cache_dir
 
-GEMV_MAX_ROWS, GEMV_K_STEP, GEMV_MAX_K = 4, 16, 8192  # kMaxRows, kStep and the K limit in csrc/gemv.h
+GEMV_MAX_ROWS, GEMV_K_STEP, GEMV_MAX_K = 8, 16, 8192  # kMaxRows, kStep and the K limit in csrc/gemv.h
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv.cpp", "decode_attention.cpp", "decode_step.cpp")]
 DECODE_ATTENTION_MAX_HEAD_DIM = 256
 KERNEL_CHOICES = ("fast", "portable")

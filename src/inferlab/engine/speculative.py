@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, ModelRunner, build_drafter
+from inferlab.engine.fused_decode import FusedDecode
 from inferlab.engine.sampling import SamplingParams, probabilities
 from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.model.transformer import Transformer
@@ -114,6 +115,7 @@ class SpecSession:
     k: int
     max_new_tokens: int
     generator: torch.Generator | None = None
+    fused: FusedDecode | None = None  # the target's C++ decode step: verifications of <= GEMV_MAX_ROWS tokens
     runner: ModelRunner = field(init=False)
     tokens: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
@@ -122,7 +124,7 @@ class SpecSession:
     def __post_init__(self) -> None:
         # the target is fed at most the prompt, the generated tokens but the last, and the drafts of a round
         # whose size is capped by what is left to generate: prompt + max_new_tokens positions suffice
-        self.runner = ModelRunner(self.target, len(self.prompt_ids) + self.max_new_tokens)
+        self.runner = ModelRunner(self.target, len(self.prompt_ids) + self.max_new_tokens, self.fused)
 
     @torch.inference_mode()
     def step(self) -> list[int]:
@@ -162,9 +164,9 @@ class Speculation:
                 "spec_accepted": t.accepted, "spec_generated": t.generated}
 
     def start(self, target: Transformer, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-              generator: torch.Generator | None) -> SpecSession:
+              generator: torch.Generator | None, fused: FusedDecode | None = None) -> SpecSession:
         draft = self.drafter.start(len(prompt_ids) + max_new_tokens)
-        return SpecSession(target, draft, list(prompt_ids), params, self.k, max_new_tokens, generator,
+        return SpecSession(target, draft, list(prompt_ids), params, self.k, max_new_tokens, generator, fused,
                            totals=self.totals)
 
 

@@ -22,7 +22,8 @@
 
 namespace inferlab {
 
-constexpr int64_t kMaxRows = 4;       // activation rows per call (decode batch); more go to a GEMM
+constexpr int64_t kMaxRows = 8;       // activation rows per call (decode batch); more go to a GEMM
+constexpr int kRowsPerDot = 4;        // activation rows one dot call keeps in registers
 constexpr int64_t kGrain = 64;        // weight rows per thread at least
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead each row is requested: one core alone keeps too few loads in flight
 constexpr int64_t kStep = 16;         // weights per row read per step; K must be a multiple of it
@@ -54,7 +55,7 @@ void deinterleave(T* x, int64_t K, int64_t block) {
 }
 
 // A weight format holds its weights and the prepared activations, and computes
-//   dot<R, M>(n, acc): acc[r * M + m] = (weight row n + r) . (activation row m) / x_scale[m]
+//   dot<R, M>(n, acc, m0): acc[r * M + m] = (weight row n + r) . (activation row m0 + m) / x_scale[m0 + m]
 // The dense formats share one loop over steps of kStep weights (DenseFormat); int4 has groups.
 template <typename Step>
 struct DenseFormat {
@@ -71,8 +72,9 @@ struct DenseFormat {
   }
 
   template <int R, int M>
-  void dot(int64_t n, float* acc) const {
+  void dot(int64_t n, float* acc, int64_t m0) const {
     typename Step::Acc sum[R * M];
+    const X* xs = x.data() + m0 * K;
     for (int i = 0; i < R * M; ++i) sum[i] = Step::zero();
     const W* rows = w + n * K;
     if constexpr (R == 1 && M == 1) {  // one row, read as one stream into four independent partial sums
@@ -80,16 +82,16 @@ struct DenseFormat {
       int64_t k = 0;
       for (; k + 4 * kStep <= K; k += 4 * kStep) {
         prefetch(rows + k);
-        for (int j = 0; j < 4; ++j) part[j] = Step::step(rows + k + j * kStep, x.data() + k + j * kStep, part[j]);
+        for (int j = 0; j < 4; ++j) part[j] = Step::step(rows + k + j * kStep, xs + k + j * kStep, part[j]);
       }
-      for (; k < K; k += kStep) part[0] = Step::step(rows + k, x.data() + k, part[0]);
+      for (; k < K; k += kStep) part[0] = Step::step(rows + k, xs + k, part[0]);
       acc[0] = Step::total(part[0]) + Step::total(part[1]) + Step::total(part[2]) + Step::total(part[3]);
       return;
     }
     for (int64_t k = 0; k < K; k += kStep) {
       for (int r = 0; r < R; ++r) {
         prefetch(rows + r * K + k);
-        for (int m = 0; m < M; ++m) sum[r * M + m] = Step::step(rows + r * K + k, x.data() + m * K + k, sum[r * M + m]);
+        for (int m = 0; m < M; ++m) sum[r * M + m] = Step::step(rows + r * K + k, xs + m * K + k, sum[r * M + m]);
       }
     }
     for (int i = 0; i < R * M; ++i) acc[i] = Step::total(sum[i]);
@@ -183,7 +185,7 @@ struct Int4Format {
   }
 
   template <int R, int M>
-  void dot(int64_t n, float* acc) const {
+  void dot(int64_t n, float* acc, int64_t m0) const {
     __m256 sum[R * M];
     __m256i dots[R * M];
     for (int i = 0; i < R * M; ++i) {
@@ -200,7 +202,7 @@ struct Int4Format {
         const __m256i even = _mm256_and_si256(codes, _mm256_set1_epi16(0x0F));  // 16 codes of columns 2i
         const __m256i odd = _mm256_srli_epi16(codes, 4);                          // columns 2i + 1
         for (int m = 0; m < M; ++m) {
-          const int16_t* xs = x.data() + m * K + b * kBlock;
+          const int16_t* xs = x.data() + (m0 + m) * K + b * kBlock;
           const __m256i d = _mm256_add_epi32(
               _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs))),
               _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 16))));
@@ -222,7 +224,7 @@ struct Int4Format {
     for (int r = 0; r < R; ++r) {  // + the sum over groups of min * the group's activation codes, vectorized
       const float* row_mins = mins + (n + r) * G;
       for (int m = 0; m < M; ++m) {
-        const float* sums = group_sums.data() + m * G;
+        const float* sums = group_sums.data() + (m0 + m) * G;
         __m256 min_terms = _mm256_setzero_ps();
         int64_t g = 0;
         for (; g + 8 <= G; g += 8) {
@@ -241,18 +243,30 @@ template <typename F, typename Y, int M>
 void rows(const F& f, const float* scales, const float* bias, Y* y, int64_t N, int64_t begin, int64_t end) {
   constexpr int R = M == 1 ? F::kTileRows : 1;  // weight rows per dot call
   float acc[R * M];
+  // R weight rows from n times every activation row, kRowsPerDot at a time: the weight row is read from
+  // memory by the first call and from L1 by the second
+  auto dot = [&](int64_t n) {
+    if constexpr (M <= kRowsPerDot) {
+      f.template dot<R, M>(n, acc, 0);
+    } else {
+      f.template dot<1, kRowsPerDot>(n, acc, 0);
+      f.template dot<1, M - kRowsPerDot>(n, acc + kRowsPerDot, kRowsPerDot);
+    }
+  };
   auto store = [&](int64_t row, int r) {
     const float s = scales ? scales[row] : 1.0f, b = bias ? bias[row] : 0.0f;
     for (int m = 0; m < M; ++m) y[m * N + row] = static_cast<Y>(acc[r * M + m] * f.x_scale[m] * s + b);
   };
   int64_t n = begin;
   for (; n + R <= end; n += R) {
-    f.template dot<R, M>(n, acc);
+    dot(n);
     for (int r = 0; r < R; ++r) store(n + r, r);
   }
-  for (; n < end; ++n) {
-    f.template dot<1, M>(n, acc);
-    store(n, 0);
+  if constexpr (R > 1) {  // the rows after the last whole tile (one activation row)
+    for (; n < end; ++n) {
+      f.template dot<1, 1>(n, acc, 0);
+      store(n, 0);
+    }
   }
 }
 
@@ -264,7 +278,11 @@ void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* 
       case 1: rows<F, Y, 1>(f, scales, bias, y, N, begin, end); break;
       case 2: rows<F, Y, 2>(f, scales, bias, y, N, begin, end); break;
       case 3: rows<F, Y, 3>(f, scales, bias, y, N, begin, end); break;
-      default: rows<F, Y, 4>(f, scales, bias, y, N, begin, end); break;
+      case 4: rows<F, Y, 4>(f, scales, bias, y, N, begin, end); break;
+      case 5: rows<F, Y, 5>(f, scales, bias, y, N, begin, end); break;
+      case 6: rows<F, Y, 6>(f, scales, bias, y, N, begin, end); break;
+      case 7: rows<F, Y, 7>(f, scales, bias, y, N, begin, end); break;
+      default: rows<F, Y, 8>(f, scales, bias, y, N, begin, end); break;
     }
   });
 }
