@@ -1,5 +1,6 @@
 """End to end: a size=smoke multirun over two values of two groups writes one result.json per job, and
-inferlab-report turns them into the CSV and the report; a job that cannot run records why."""
+inferlab-report turns them into the CSV and the report; a job that cannot run records why; the peers and
+profile studies on their own."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import tiny_model
 
+from inferlab.bench.studies.profile import phase_weight_bytes
+from inferlab.quant.apply import module_bytes, weight_bytes
 from inferlab.report.build import build
 
 BIN = Path(sys.executable).parent
@@ -90,3 +94,28 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
         assert "pip install" in rows["llama.cpp"]["note"]
     else:
         assert rows["llama.cpp"]["note"].endswith(".int8.gguf")
+
+
+def test_the_profile_phases_count_every_weight_of_the_step_once():
+    for tied in (False, True):
+        model = tiny_model(tie_embeddings=tied)
+        norms = sum(module_bytes(m) for name, m in model.named_modules() if name.endswith("norm"))
+        embeddings = 0 if tied else module_bytes(model.tok_embeddings)  # a lookup: one row per step, not a phase
+        assert sum(phase_weight_bytes(model).values()) + norms + embeddings == weight_bytes(model)
+
+
+@pytest.mark.slow
+def test_profile_gives_the_fused_phases_their_weight_streaming_rate(tmp_path: Path):
+    run = bench("study=profile", "size=smoke", "precision=int8", "study.top_ops=40", f"results_root={tmp_path}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (result,) = [json.loads(p.read_text()) for p in tmp_path.rglob("result.json")]
+    assert result["status"] == "ok", result["error"]
+    rows = {row["op"]: row for row in result["rows"]}
+    phases = {op for op in rows if op.startswith("decode_step: ")}
+    assert "decode_step: norm+lm_head" in phases and "decode_step: norm+w13" in phases
+    for op, row in rows.items():
+        streams_weights = op in phases and "attention" not in op
+        assert ("weights_gb_s" in row) == streams_weights, op
+        if streams_weights:
+            assert row["bandwidth_gb_s"] > 0 and row["weights_gb_s"] > 0
+            assert row["pct_bandwidth"] == pytest.approx(100 * row["weights_gb_s"] / row["bandwidth_gb_s"])

@@ -58,7 +58,8 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
-def _module_bytes(module: nn.Module) -> int:
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's state dict: what a product with its weights reads."""
     return sum(t.nbytes for t in module.state_dict().values())
 
 
@@ -107,7 +108,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int | None = None, g
             new = Int4GroupLinear(linear, group_size, use_kernel=use_kernel, codes=imported.get(name))
         report.layers.append(LayerQuant(name, "int8" if isinstance(new, Int8Linear) else "int4",
                                         "gguf_q4_1" if name in imported else "quantized", _kernel(new),
-                                        _module_bytes(linear), _module_bytes(new)))
+                                        module_bytes(linear), module_bytes(new)))
         _set_submodule(model, name, new)
         if name == HEAD and linear.weight is getattr(getattr(model, "tok_embeddings", None), "weight", None):
             model.tok_embeddings = Int8Embedding(new)
