@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from inferlab.engine.huge_pages import move_weights_to_huge_pages
 from inferlab.errors import InvalidRequestError
 from inferlab.model.transformer import RMSNorm, swiglu
 from inferlab.paths import cache_dir
@@ -129,7 +130,8 @@ def select_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, k
     """Swap each plain nn.Linear for the kernel chosen for this device; return the swapped names.
 
     Quantized layers (quant/) pick their own kernels per call and are left alone, except that
-    `kernels=portable` sends them down their dequantize-then-linear reference path too.
+    `kernels=portable` sends them down their dequantize-then-linear reference path too. On CPU with
+    `kernels=fast` the weights then move onto huge pages (engine/huge_pages.py).
     """
     fast = fast_kernels_apply(device, dtype, kernels)
     swapped = []
@@ -140,4 +142,7 @@ def select_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, k
             if fast and type(child) is nn.Linear:
                 setattr(module, child_name, GemvLinear(child))
                 swapped.append(f"{name}.{child_name}" if name else child_name)
+    if kernels == "fast" and device.type == "cpu":
+        moved = move_weights_to_huge_pages(model)
+        log.info("weights on huge pages: %.1f MiB", moved / 2**20)
     return swapped
