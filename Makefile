@@ -28,7 +28,7 @@ scratch: setup
 	$(VENV)/bin/inferlab-train task=scratch
 
 # The CPU-sized studies (sweeps/*.yaml), then the report from every result under outputs/ (< 30 min on 2 cores).
-REPORT_SWEEPS ?= kv_speedup kv_memory peers profile quant_tradeoff batching prefix_cache spec_decode server_latency soak
+REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak
 report: setup
 	@for sweep in $(REPORT_SWEEPS); do \
 		echo "== sweep $$sweep"; \

@@ -1,6 +1,6 @@
 """End to end: a size=smoke multirun over two values of two groups writes one result.json per job, and
-inferlab-report turns them into the CSV and the report; a job that cannot run records why; the peers and
-profile studies on their own."""
+inferlab-report turns them into the CSV and the report; a job that cannot run records why; the peers,
+profile and threads studies on their own."""
 from __future__ import annotations
 
 import json
@@ -119,3 +119,17 @@ def test_profile_gives_the_fused_phases_their_weight_streaming_rate(tmp_path: Pa
         if streams_weights:
             assert row["bandwidth_gb_s"] > 0 and row["weights_gb_s"] > 0
             assert row["pct_bandwidth"] == pytest.approx(100 * row["weights_gb_s"] / row["bandwidth_gb_s"])
+
+
+@pytest.mark.slow
+def test_threads_measures_one_thread_and_all_of_them_side_by_side(tmp_path: Path):
+    run = bench("study=threads", "size=smoke", "precision=int8", "device.threads=2", f"results_root={tmp_path}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (result,) = [json.loads(p.read_text()) for p in tmp_path.rglob("result.json")]
+    assert result["status"] == "ok", result["error"]
+    rows = result["rows"]
+    assert [row["threads"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["decode_tok_s"] > 0 and row["bandwidth_gb_s"] > 0
+        assert row["decode_speedup"] == pytest.approx(row["decode_tok_s"] / rows[0]["decode_tok_s"])
+        assert row["bandwidth_speedup"] == pytest.approx(row["bandwidth_gb_s"] / rows[0]["bandwidth_gb_s"])
