@@ -25,6 +25,16 @@ def bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "inferlab-bench"), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def one_ok_result(tmp_path: Path, *args: str) -> dict:
+    """Run one job into tmp_path; its result.json, which must say ok."""
+    run = bench(*args, f"results_root={tmp_path}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    (path,) = tmp_path.rglob("result.json")
+    result = json.loads(path.read_text())
+    assert result["status"] == "ok", result["error"]
+    return result
+
+
 @pytest.mark.slow
 def test_smoke_multirun_then_report(tmp_path: Path):
     run = bench("-m", "sweep=kv_speedup", "size=smoke", "precision=fp32,bf16", f"results_root={tmp_path}")
@@ -74,12 +84,8 @@ def test_server_target_starts_drives_and_stops_a_real_server(tmp_path: Path):
 
 @pytest.mark.slow
 def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path: Path):
-    run = bench("study=peers", "size=smoke", "model=smollm2-135m", "precision=int8", "measure.repeats=2",
-                f"results_root={tmp_path}")
-    assert run.returncode == 0, run.stderr[-2000:]
-    (path,) = tmp_path.rglob("result.json")
-    result = json.loads(path.read_text())
-    assert result["status"] == "ok", result["error"]
+    result = one_ok_result(tmp_path, "study=peers", "size=smoke", "model=smollm2-135m", "precision=int8",
+                           "measure.repeats=2")
     rows = {row["engine"]: row for row in result["rows"]}
     assert set(rows) == {"inferlab", "transformers", "llama.cpp"}
     assert rows["transformers"]["decode_tok_s"] is None and "no int8 path" in rows["transformers"]["note"]
@@ -106,10 +112,7 @@ def test_the_profile_phases_count_every_weight_of_the_step_once():
 
 @pytest.mark.slow
 def test_profile_gives_the_fused_phases_their_weight_streaming_rate(tmp_path: Path):
-    run = bench("study=profile", "size=smoke", "precision=int8", "study.top_ops=40", f"results_root={tmp_path}")
-    assert run.returncode == 0, run.stderr[-2000:]
-    (result,) = [json.loads(p.read_text()) for p in tmp_path.rglob("result.json")]
-    assert result["status"] == "ok", result["error"]
+    result = one_ok_result(tmp_path, "study=profile", "size=smoke", "precision=int8", "study.top_ops=40")
     rows = {row["op"]: row for row in result["rows"]}
     phases = {op for op in rows if op.startswith("decode_step: ")}
     assert "decode_step: norm+lm_head" in phases and "decode_step: norm+w13" in phases
@@ -123,10 +126,7 @@ def test_profile_gives_the_fused_phases_their_weight_streaming_rate(tmp_path: Pa
 
 @pytest.mark.slow
 def test_threads_measures_one_thread_and_all_of_them_side_by_side(tmp_path: Path):
-    run = bench("study=threads", "size=smoke", "precision=int8", "device.threads=2", f"results_root={tmp_path}")
-    assert run.returncode == 0, run.stderr[-2000:]
-    (result,) = [json.loads(p.read_text()) for p in tmp_path.rglob("result.json")]
-    assert result["status"] == "ok", result["error"]
+    result = one_ok_result(tmp_path, "study=threads", "size=smoke", "precision=int8", "device.threads=2")
     rows = result["rows"]
     assert [row["threads"] for row in rows] == [1, 2]
     for row in rows:

@@ -14,18 +14,8 @@ from tqdm.auto import tqdm
 
 from inferlab.api import engine_from_config
 from inferlab.bench.studies import Rows, register
-from inferlab.bench.studies.common import decode_loop, decode_rate, prompt_ids, read_bandwidth_gb_s
-from inferlab.engine.engine import InferenceEngine
-
-
-def decode_timestamps(engine: InferenceEngine, ids: list[int], n: int) -> list[float]:
-    """Arrival times of n greedy tokens after the prompt (the first one comes from the prefill)."""
-    logits, seq = engine.prefill(ids, reserve_tokens=n)
-    try:
-        times, _ = decode_loop(engine, seq, logits, n - 1)
-    finally:
-        seq.release()
-    return [sum(times[:i]) for i in range(n)]
+from inferlab.bench.studies.common import decode_rate, prompt_ids, read_bandwidth_gb_s
+from inferlab.bench.studies.peers import inferlab_runner
 
 
 @register("threads")
@@ -33,6 +23,7 @@ def run(cfg: DictConfig) -> Rows:
     engine = engine_from_config(cfg)
     m = cfg.measure
     ids = prompt_ids(cfg, engine, int(m.prompt_tokens))
+    generate = inferlab_runner(engine)
     all_threads = torch.get_num_threads()
     counts = sorted({1, all_threads} | {t for t in cfg.study.thread_counts if t <= all_threads})
 
@@ -41,7 +32,7 @@ def run(cfg: DictConfig) -> Rows:
         for threads in counts:
             torch.set_num_threads(threads)
             bandwidth = read_bandwidth_gb_s(int(m.bandwidth_mb), engine.config.device)
-            rates[threads] = bandwidth, decode_rate(decode_timestamps(engine, ids, int(m.new_tokens)))
+            rates[threads] = bandwidth, decode_rate(generate(ids, int(m.new_tokens)))
         return rates
 
     try:
