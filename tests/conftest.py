@@ -6,7 +6,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
-from inferlab.engine.kernels import select_kernels
+from inferlab.kernels.gemv import select_kernels
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.model.config import ModelConfig

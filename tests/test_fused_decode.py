@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 from inferlab.engine.block_manager import BlockManager, BlockTable
 from inferlab.engine.drafters import ModelRunner
-from inferlab.engine.fused_decode import FusedDecode
-from inferlab.engine.kernels import GEMV_MAX_ROWS, cpu_gemv_available
+from inferlab.kernels.fused_decode import FusedDecode
+from inferlab.kernels.gemv import GEMV_MAX_ROWS, cpu_gemv_available
 from inferlab.engine.paged import PagedKVCache, forward_paged
 
 from conftest import tiny_engine, tiny_model

@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_model
 from torch import nn
 
-from inferlab.engine.huge_pages import HUGE_PAGE, move_weights_to_huge_pages
+from inferlab.kernels.huge_pages import HUGE_PAGE, move_weights_to_huge_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
 

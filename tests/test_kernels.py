@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inferlab.engine.kernels import (GEMV_MAX_ROWS, GemvLinear, cpu_gemv_available, decode_attention,
+from inferlab.kernels.gemv import (GEMV_MAX_ROWS, GemvLinear, cpu_gemv_available, decode_attention,
                                      decode_attention_applies, gemv, select_kernels)
 from inferlab.model.transformer import RMSNorm, linear_after_norm, linear_after_swiglu
 from inferlab.quant.int4 import dequantize_groups_int4, pack_nibbles

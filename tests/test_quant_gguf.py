@@ -11,7 +11,7 @@ from inferlab.api import compose, load_engine
 from inferlab.model.loader import LoadedModel, load_model
 from inferlab.quant import Int4GroupLinear, Int8Linear, quantize_model
 from inferlab.quant.gguf_q4 import read_q4_1_linears
-from inferlab.quant.kernels import int4_layout
+from inferlab.kernels.aten import int4_layout
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"

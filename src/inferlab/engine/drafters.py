@@ -21,7 +21,7 @@ from inferlab.errors import ModelLoadError
 from inferlab.model.transformer import Transformer
 
 if TYPE_CHECKING:
-    from inferlab.engine.fused_decode import FusedDecode
+    from inferlab.kernels.fused_decode import FusedDecode
 
 
 class ModelRunner:

@@ -23,8 +23,8 @@ from torch import Tensor
 
 from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
 from inferlab.engine.block_manager import BlockManager, BlockTable
-from inferlab.engine.fused_decode import FusedDecode
-from inferlab.engine.kernels import decode_attention_applies
+from inferlab.kernels.fused_decode import FusedDecode
+from inferlab.kernels.gemv import decode_attention_applies
 from inferlab.engine.kv_cache import CachedAttend, KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.engine.prefix_cache import PrefixCache

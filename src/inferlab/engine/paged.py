@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inferlab.engine.fused_decode import FusedDecode
-from inferlab.engine.kernels import decode_attention
+from inferlab.kernels.fused_decode import FusedDecode
+from inferlab.kernels.gemv import decode_attention
 from inferlab.engine.kv_cache import KVCache, compute_kv_cache_bytes
 from inferlab.model.config import ModelConfig
 from inferlab.model.transformer import Transformer

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, ModelRunner, build_drafter
-from inferlab.engine.fused_decode import FusedDecode
+from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.engine.sampling import SamplingParams, probabilities
 from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.model.transformer import Transformer

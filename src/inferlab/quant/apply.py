@@ -12,12 +12,12 @@ from pathlib import Path
 
 from torch import nn
 
-from inferlab.engine.kernels import cpu_gemv_available
+from inferlab.kernels.gemv import cpu_gemv_available
 from inferlab.errors import QuantizationError
 from inferlab.quant.gguf_q4 import Q4_1_GROUP, read_q4_1_linears
 from inferlab.quant.int4 import Int4GroupLinear, check_group_size
 from inferlab.quant.int8 import Int8Embedding, Int8Linear
-from inferlab.quant.kernels import int8_kernel_fits
+from inferlab.kernels.aten import int8_kernel_fits
 
 MODES = ("int8", "int4")
 QUANTIZED = (Int8Linear, Int4GroupLinear, Int8Embedding)

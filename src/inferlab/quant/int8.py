@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferlab.engine.kernels import gemv, gemv_fits, prepared_input
+from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input
 from inferlab.model.transformer import RMSNorm
-from inferlab.quant.kernels import int8_kernel_fits, int8_mm
+from inferlab.kernels.aten import int8_kernel_fits, int8_mm
 
 
 def quantize_rows_int8(weight: Tensor) -> tuple[Tensor, Tensor]:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferlab.engine.huge_pages import move_weights_to_huge_pages
+from inferlab.kernels.huge_pages import move_weights_to_huge_pages
 from inferlab.errors import InvalidRequestError
 from inferlab.model.transformer import RMSNorm, swiglu
 from inferlab.paths import cache_dir

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from inferlab.engine.kernels import cpu_gemv_available
+from inferlab.kernels.gemv import cpu_gemv_available
 
 INT4_OFFSET = 8  # the int4pack kernels compute w = (q - 8) * scale + zero
 

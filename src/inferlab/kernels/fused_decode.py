@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from inferlab.engine.kernels import (DECODE_ATTENTION_MAX_HEAD_DIM, GEMV_K_STEP, GEMV_MAX_K, GEMV_MAX_ROWS,
+from inferlab.kernels.gemv import (DECODE_ATTENTION_MAX_HEAD_DIM, GEMV_K_STEP, GEMV_MAX_K, GEMV_MAX_ROWS,
                                      GemvLinear, fast_kernels_apply)
 from inferlab.model.transformer import Transformer
 from inferlab.quant.int4 import Int4GroupLinear
