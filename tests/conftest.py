@@ -6,7 +6,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
-from inferlab.kernels.gemv import select_kernels
+from inferlab.kernels.select import select_kernels
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.model.config import ModelConfig
@@ -65,7 +65,7 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
 def tiny_engine(tokenizer: Tokenizer, cache_mode: str = "contiguous", slots: int = 2, seed: int = 0,
                 max_new_tokens: int = 16, dtype: torch.dtype = torch.float32, kernels: str | None = None,
                 quant: str | None = None, **overrides) -> InferenceEngine:
-    """`kernels` given: the model's layers are swapped for that choice (engine/kernels.py) first, as
+    """`kernels` given: the model's layers are swapped for that choice (kernels/select.py) first, as
     load_engine does, after quantizing them with `quant` (int4: groups of 32)."""
     model = tiny_model(seed, **overrides).to(dtype)
     if quant:

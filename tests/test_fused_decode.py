@@ -1,13 +1,14 @@
-"""The whole decode step as one C++ call (engine/fused_decode.py) against the Python model it stands in for."""
+"""The whole decode step as one C++ call (kernels/fused_decode.py) against the Python model it stands in for."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from inferlab.engine.block_manager import BlockManager, BlockTable
 from inferlab.engine.drafters import ModelRunner
-from inferlab.kernels.fused_decode import FusedDecode
-from inferlab.kernels.gemv import GEMV_MAX_ROWS, cpu_gemv_available
 from inferlab.engine.paged import PagedKVCache, forward_paged
+from inferlab.kernels.build import cpu_gemv_available
+from inferlab.kernels.fused_decode import FusedDecode
+from inferlab.kernels.gemv import GEMV_MAX_ROWS
 
 from conftest import tiny_engine, tiny_model
 

@@ -1,11 +1,13 @@
-"""The CPU decode kernel (engine/csrc/gemv.cpp) against the portable reference it replaces."""
+"""The CPU decode kernel (kernels/csrc/gemv.cpp) against the portable reference it replaces."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inferlab.kernels.gemv import (GEMV_MAX_ROWS, GemvLinear, cpu_gemv_available, decode_attention,
-                                     decode_attention_applies, gemv, select_kernels)
+from inferlab.kernels.attention import decode_attention, decode_attention_applies
+from inferlab.kernels.build import cpu_gemv_available
+from inferlab.kernels.gemv import GEMV_MAX_ROWS, GemvLinear, gemv
+from inferlab.kernels.select import select_kernels
 from inferlab.model.transformer import RMSNorm, linear_after_norm, linear_after_swiglu
 from inferlab.quant.int4 import dequantize_groups_int4, pack_nibbles
 from inferlab.quant.int8 import Int8Linear

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from inferlab.api import load_engine
-from inferlab.kernels.gemv import cpu_gemv_available
+from inferlab.kernels.build import cpu_gemv_available
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here")]

@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
-from inferlab.kernels.gemv import select_kernels
+from inferlab.kernels.select import select_kernels
 from inferlab.engine.paged import blocks_for_budget
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig

@@ -24,7 +24,7 @@ from torch import Tensor
 from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
 from inferlab.engine.block_manager import BlockManager, BlockTable
 from inferlab.kernels.fused_decode import FusedDecode
-from inferlab.kernels.gemv import decode_attention_applies
+from inferlab.kernels.attention import decode_attention_applies
 from inferlab.engine.kv_cache import CachedAttend, KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.engine.prefix_cache import PrefixCache
@@ -52,7 +52,7 @@ class EngineConfig:
     kv_blocks: int  # paged: blocks in the pool; 0 = the memory `slots` contiguous slots would take
     prefix_cache: bool  # paged: reuse the KV of full blocks of earlier prompts
     scheduler: SchedulerConfig
-    kernels: str  # "fast" | "portable": engine/kernels.py (device.kernels)
+    kernels: str  # "fast" | "portable": kernels/select.py (device.kernels)
 
 
 @dataclass

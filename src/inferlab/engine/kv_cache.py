@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inferlab.kernels.gemv import decode_attention
+from inferlab.kernels.attention import decode_attention
 from inferlab.errors import CapacityError
 from inferlab.model.config import ModelConfig
 

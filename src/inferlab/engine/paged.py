@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inferlab.kernels.fused_decode import FusedDecode
-from inferlab.kernels.gemv import decode_attention
+from inferlab.kernels.attention import decode_attention
 from inferlab.engine.kv_cache import KVCache, compute_kv_cache_bytes
 from inferlab.model.config import ModelConfig
 from inferlab.model.transformer import Transformer

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from inferlab.kernels.gemv import cpu_gemv_available
+from inferlab.kernels.build import cpu_gemv_available
 
 INT4_OFFSET = 8  # the int4pack kernels compute w = (q - 8) * scale + zero
 
@@ -31,7 +31,7 @@ def int8_mm(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 def int4_layout(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int) -> str:
     """How a layer's int4 weights are stored, for the kernel that will read them.
 
-    "rows": nibble rows, read by the CPU decode kernel (engine/csrc/gemv.cpp) where it is built, and by
+    "rows": nibble rows, read by the CPU decode kernel (kernels/csrc/gemv.cpp) where it is built, and by
     the dequantize-then-linear reference; "cpu" / "cuda": aten's opaque int4pack layouts.
     """
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_gemv_available():

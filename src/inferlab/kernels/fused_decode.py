@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from inferlab.kernels.gemv import (DECODE_ATTENTION_MAX_HEAD_DIM, GEMV_K_STEP, GEMV_MAX_K, GEMV_MAX_ROWS,
-                                     GemvLinear, fast_kernels_apply)
+from inferlab.kernels.attention import DECODE_ATTENTION_MAX_HEAD_DIM
+from inferlab.kernels.build import fast_kernels_apply
+from inferlab.kernels.gemv import GEMV_K_STEP, GEMV_MAX_K, GEMV_MAX_ROWS, GemvLinear
 from inferlab.model.transformer import Transformer
 from inferlab.quant.int4 import Int4GroupLinear
 from inferlab.quant.int8 import Int8Linear

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torch import nn
 
-from inferlab.kernels.gemv import cpu_gemv_available
+from inferlab.kernels.build import cpu_gemv_available
 from inferlab.errors import QuantizationError
 from inferlab.quant.gguf_q4 import Q4_1_GROUP, read_q4_1_linears
 from inferlab.quant.int4 import Int4GroupLinear, check_group_size
@@ -29,7 +29,7 @@ class LayerQuant:
     name: str
     format: str  # "int8" | "int4"
     source: str  # "quantized" (from the float weights) | "gguf_q4_1" (the file's blocks, as they are)
-    kernel: str  # "gemv" (engine/csrc) | "int8pack" | "cpu" | "cuda" (int4pack) | "rows" (dequantize-then-linear)
+    kernel: str  # "gemv" (kernels/csrc) | "int8pack" | "cpu" | "cuda" (int4pack) | "rows" (dequantize-then-linear)
     bytes_before: int
     bytes_after: int
 
@@ -64,7 +64,7 @@ def module_bytes(module: nn.Module) -> int:
 
 
 def _kernel(module: nn.Module) -> str:
-    """The kernel a decode step runs: gemv (engine/csrc), int8pack, aten's int4pack "cpu" / "cuda", or "rows"
+    """The kernel a decode step runs: gemv (kernels/csrc), int8pack, aten's int4pack "cpu" / "cuda", or "rows"
     (the dequantize-then-linear reference)."""
     device, int4 = module.weight.device, isinstance(module, Int4GroupLinear)
     if module.use_kernel and device.type == "cpu" and cpu_gemv_available() and (not int4 or module.layout == "rows"):

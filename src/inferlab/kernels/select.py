@@ -1,0 +1,35 @@
+"""Put a model's layers on the kernels chosen for its device, once at load (`device.kernels`)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from inferlab.kernels.build import fast_kernels_apply
+from inferlab.kernels.gemv import GemvLinear
+from inferlab.kernels.huge_pages import move_weights_to_huge_pages
+
+log = logging.getLogger(__name__)
+
+
+def select_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str) -> list[str]:
+    """Swap each plain nn.Linear for the kernel chosen for this device; return the swapped names.
+
+    Quantized layers (quant/) pick their own kernels per call and are left alone, except that
+    `kernels=portable` sends them down their dequantize-then-linear reference path too. On CPU with
+    `kernels=fast` the weights then move onto huge pages (huge_pages.py).
+    """
+    fast = fast_kernels_apply(device, dtype, kernels)
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if hasattr(module, "use_kernel"):
+            module.use_kernel = kernels == "fast"
+        for child_name, child in list(module.named_children()):
+            if fast and type(child) is nn.Linear:
+                setattr(module, child_name, GemvLinear(child))
+                swapped.append(f"{name}.{child_name}" if name else child_name)
+    if kernels == "fast" and device.type == "cpu":
+        moved = move_weights_to_huge_pages(model)
+        log.info("weights on huge pages: %.1f MiB", moved / 2**20)
+    return swapped
