@@ -53,6 +53,21 @@ def test_extreme_logits_stay_finite():
     assert p[3] == 1.0
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 1e-50, 1e-8, 0.5, 1 - 1e-16, 1.0])
+@pytest.mark.parametrize("temperature", [5e-324, 1e-30, 1e-3, 1.0, 2.0])
+def test_every_accepted_value_gives_a_distribution_that_keeps_the_top_token(top_p, temperature):
+    """Found from outside: top_p=1e-50 rounded to 0 in fp32, dropped every token, and the softmax was nan."""
+    generator = torch.Generator().manual_seed(0)
+    for logits in (torch.randn(300, generator=generator) * 20, torch.tensor([3e4, 3e4, -3e4, float("-inf")]),
+                   torch.randn(300, generator=generator).to(torch.bfloat16)):
+        for top_k in (0, 1, 10**9):
+            p = params(temperature=temperature, top_p=top_p, top_k=top_k)
+            probs = probabilities(logits, p)
+            assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
+            assert probs[int(torch.argmax(logits))] > 0
+            assert 0 <= sample(logits, p, p.make_generator(torch.device("cpu"))) < logits.shape[-1]
+
+
 def test_seed_reproduces_and_differs(tiny_tokenizer):
     engine = tiny_engine(tiny_tokenizer)
     run = lambda seed: engine.generate([1, 2, 3], max_new_tokens=12, temperature=1.0, seed=seed).token_ids

@@ -31,6 +31,19 @@ class OverloadedError(InferlabError):
     code = "overloaded"
 
 
+class GenerationError(InferlabError):
+    """One request's own work failed inside the engine (its forward row, sampling, stop check, text);
+    that request ends with this error, the others in its batch continue unchanged."""
+
+    code = "generation_failed"
+
+
+class EngineFailedError(InferlabError):
+    """The engine loop itself stopped: no request can run until the process is restarted (HTTP 503)."""
+
+    code = "engine_failed"
+
+
 # ---- raised at the HTTP edge (server/guards.py maps each code to its status) ----------------------
 
 class UnauthorizedError(InferlabError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from abc import ABC, abstractmethod
 from contextlib import closing
 import threading
@@ -33,11 +34,17 @@ from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent, Timings
 from inferlab.engine.speculative import Speculation, stream_events
 from inferlab.engine.stop import TextStream
-from inferlab.errors import CapacityError, InvalidRequestError
+from inferlab.errors import CapacityError, EngineFailedError, GenerationError, InvalidRequestError
 from inferlab.model.loader import LoadedModel
 from inferlab.model.transformer import Transformer, causal_attend
 
 CONTEXT_MARGIN = 16  # a prompt must leave at least this many positions for generation
+
+log = logging.getLogger(__name__)
+
+# Tests inject a fault here: called with the stage ("forward", "sample") and the requests it covers;
+# raising an Exception fails that work, raising a BaseException (SystemExit) stops the engine loop.
+FaultHook = Callable[[str, "list[Request]"], None]
 
 
 @dataclass
@@ -187,6 +194,8 @@ class InferenceEngine:
         self._loop_thread: threading.Thread | None = None
         self._request_ids = itertools.count()
         self._single_running = 0  # requests on the one-at-a-time path (generate, stream_generate)
+        self.failure: str | None = None  # why the engine loop stopped; set once, then every submit is refused
+        self.fault_hook: FaultHook | None = None  # tests only
 
     # ---- the steps -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -450,7 +459,11 @@ class InferenceEngine:
                        self.tokenizer.eos_ids, emit, params.make_generator(self.config.device), priority)
 
     def _enqueue(self, request: Request, bounded: bool = True) -> None:
-        self.scheduler.add(request, bounded)
+        if self.failure is None:
+            self.scheduler.add(request, bounded)
+        if self.failure is not None:  # checked again: the loop may have stopped (and drained) meanwhile
+            self.scheduler.finish(request)
+            raise EngineFailedError(self.failure)
         with self._wake:
             if self._loop_thread is None:
                 self._loop_thread = threading.Thread(target=self._run_loop, name="inferlab-engine", daemon=True)
@@ -465,19 +478,30 @@ class InferenceEngine:
                 self._wake.notify()
 
     def _run_loop(self) -> None:
-        while True:
-            with self._wake:
-                self._wake.wait_for(self.scheduler.has_work)
-            with self._lock:
-                try:
-                    progressed = self.step()
-                except Exception as error:  # a failed step fails the requests it held, never the loop
-                    progressed = True
-                    for request in self.scheduler.drain():
-                        self._deliver(request, error)
-            if not progressed:  # waiting for memory another path holds: do not spin
+        """Run steps while there is work. A failure of one request's work fails that request alone (`_run`);
+        the scheduler failing fails the requests it held; anything that escapes stops the loop for good:
+        `failure` says why (the server's /health turns 503 and the process exits), and every waiting
+        request is told at once."""
+        try:
+            while True:
                 with self._wake:
-                    self._wake.wait(0.005)
+                    self._wake.wait_for(self.scheduler.has_work)
+                with self._lock:
+                    try:
+                        progressed = self.step()
+                    except Exception as error:  # the scheduler's own state is in doubt: start from empty
+                        progressed = True
+                        log.error("an engine step failed; its requests are dropped", exc_info=error)
+                        for request in self.scheduler.drain():
+                            self._deliver(request, GenerationError(f"the engine step failed ({type(error).__name__})"))
+                if not progressed:  # waiting for memory another path holds: do not spin
+                    with self._wake:
+                        self._wake.wait(0.005)
+        except BaseException as error:
+            self.failure = f"the engine loop stopped: {type(error).__name__} {error}".strip()
+            log.critical("%s; every request is refused from now on", self.failure, exc_info=error)
+            for request in self.scheduler.drain():
+                self._deliver(request, EngineFailedError(self.failure))
 
     @torch.inference_mode()
     def step(self) -> bool:
@@ -493,19 +517,53 @@ class InferenceEngine:
         return bool(batch.prefills or batch.decodes)
 
     def _run(self, requests: list[Request], n: int) -> None:
-        """Feed each request its next `n` uncomputed tokens in one forward; sample those whose tokens are all in."""
-        starts = [r.kv.num_computed for r in requests]
-        tokens = [r.token_ids[s:s + n] for r, s in zip(requests, starts)]
-        logits = forward_paged(self.model, self.paged, tokens, starts, [r.kv.blocks for r in requests], self.fused)
+        """Feed each request its next `n` uncomputed tokens in one forward; sample those whose tokens are all in.
+
+        A forward that raises is run again row by row (rewriting the same KV positions), so only the
+        request that caused it fails; a request whose sampling, stop check or text fails fails alone.
+        """
+        try:
+            logits = self._forward(requests, n)
+        except Exception as error:
+            if len(requests) == 1:
+                self._fail(requests[0], "forward", error)
+            else:
+                for request in requests:
+                    self._run([request], n)
+            return
         for request, row in zip(requests, logits):
-            self.blocks.advance(request.kv, request.token_ids, n)
-            if request.num_uncomputed:
-                continue  # a prompt chunk: its next token comes after the last chunk
-            events = request.accept(sample(row, request.params, request.generator))
+            try:
+                events = self._sample(request, row, n)
+            except Exception as error:
+                self._fail(request, "sample", error)
+                continue
             if request.finished:  # free first: a client that saw the closing event finds the memory back
                 self.scheduler.finish(request)
             for event in events:
                 self._deliver(request, event)
+
+    def _forward(self, requests: list[Request], n: int) -> Tensor:
+        if self.fault_hook is not None:
+            self.fault_hook("forward", requests)
+        starts = [r.kv.num_computed for r in requests]
+        tokens = [r.token_ids[s:s + n] for r, s in zip(requests, starts)]
+        return forward_paged(self.model, self.paged, tokens, starts, [r.kv.blocks for r in requests], self.fused)
+
+    def _sample(self, request: Request, row: Tensor, n: int) -> list[StreamEvent]:
+        """Record the `n` computed tokens; the events of the next token once the prompt is all in."""
+        self.blocks.advance(request.kv, request.token_ids, n)
+        if request.num_uncomputed:
+            return []  # a prompt chunk: its next token comes after the last chunk
+        if self.fault_hook is not None:
+            self.fault_hook("sample", [request])
+        return request.accept(sample(row, request.params, request.generator))
+
+    def _fail(self, request: Request, stage: str, error: Exception) -> None:
+        log.error("request %d failed in its %s; the others continue", request.request_id, stage, exc_info=error)
+        request.finish_reason = "error"
+        self.scheduler.finish(request)
+        self._deliver(request, GenerationError(f"generation failed in this request's {stage} step "
+                                               f"({type(error).__name__}); the server log has the details"))
 
     @staticmethod
     def _deliver(request: Request, item: StreamEvent | BaseException) -> None:

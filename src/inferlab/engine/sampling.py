@@ -62,8 +62,10 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the tokens ranked above it already reach top_p (the first one always stays)
+        # drop a token when the tokens ranked above it already reach top_p; the first one always stays, even
+        # for a top_p (say 1e-50) that rounds to 0 in fp32, or every token would go and the softmax be nan
         drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= params.top_p
+        drop[..., 0] = False
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return torch.softmax(logits, dim=-1)
 

@@ -37,6 +37,8 @@ STATUS = {  # InferlabError.code -> HTTP status
     "capacity_exceeded": 503,  # the slot pool is full (single-request engine)
     "shutting_down": 503,
     "timeout": 504,
+    "engine_failed": 503,  # the engine loop stopped: /health says why, the process exits
+    "generation_failed": 500,  # this request's own work failed in the engine; the others continue
 }
 
 
