@@ -225,12 +225,26 @@ def test_rate_limit_buckets_are_per_api_key(engine):
 def test_api_key_is_required_when_configured(engine):
     client = client_for(engine, api_keys=["secret"])
     body = {"prompt": PROMPT, "max_new_tokens": 1}
-    assert_envelope(client.post("/v1/generate", json=body), 401, "unauthorized")
+    assert_envelope(r := client.post("/v1/generate", json=body), 401, "unauthorized")
+    assert r.headers["www-authenticate"] == "Bearer"
     assert_envelope(client.post("/v1/generate", json=body, headers={"Authorization": "Bearer wrong"}),
                     401, "unauthorized")
     assert_envelope(client.get("/v1/metrics"), 401, "unauthorized")
     assert client.post("/v1/generate", json=body, headers={"Authorization": "Bearer secret"}).status_code == 200
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("body", [b"{not json", b'{"prompt": 5}', b"\xff\xfe", b'{"prompt": "%s"}' % (b"a" * 2000)])
+def test_authentication_comes_before_reading_the_body(engine, body):
+    """Found from outside: a malformed body from a client without a key got 422, telling it about the API."""
+    client = client_for(engine, api_keys=["secret"], max_body_bytes=1000)
+    for route in ("/v1/generate", "/v1/generate/stream", "/v1/completions", "/v1/chat/completions"):
+        r = client.post(route, content=body, headers={"content-type": "application/json"})
+        assert_envelope(r, 401, "unauthorized")
+        assert r.headers["www-authenticate"] == "Bearer"
+    r = client.post("/v1/generate", content=body, headers={"content-type": "application/json",
+                                                          "Authorization": "Bearer secret"})
+    assert r.status_code in (413, 422)
 
 
 def test_slow_generation_is_504_before_the_first_byte(engine):

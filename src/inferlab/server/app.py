@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from inferlab.engine.engine import InferenceEngine, StreamEvent
 from inferlab.errors import ShuttingDownError
 from inferlab.server import openai
-from inferlab.server.guards import BodySizeLimit, Guards, install_error_handlers
+from inferlab.server.guards import BodySizeLimit, Gate, Guards, install_error_handlers
 from inferlab.server.metrics import RequestLog, ServerMetrics
 from inferlab.server.schemas import ErrorEnvelope, GenerateRequest, GenerateResponse, Usage
 from inferlab.server.settings import ServerSettings
@@ -32,6 +32,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
     app.state.guards = guards  # serve.py sets guards.draining when shutdown starts
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(Gate, guards=guards)  # outside the size limit: who may call comes before what they sent
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: it sees every response, 413s included
 
     @app.get("/health")
@@ -44,15 +45,15 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
     def prometheus() -> Response:
         return Response(metrics.prometheus(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/metrics", dependencies=[Depends(guards.authorize)], responses=ERRORS)
+    @app.get("/v1/metrics", responses=ERRORS)
     def json_metrics() -> dict[str, Any]:
         return metrics.snapshot()
 
-    @app.get("/v1/models", dependencies=[Depends(guards.authorize)], responses=ERRORS)
+    @app.get("/v1/models", responses=ERRORS)
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "inferlab"}]}
 
-    @app.post("/v1/generate", dependencies=[Depends(guards.admit)], responses=ERRORS)
+    @app.post("/v1/generate", responses=ERRORS)
     async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
         record = request.state.record
         job = await dispatcher.start(record, body.sampling_overrides(), body.max_new_tokens, body.prompt, body.chat)
@@ -64,14 +65,14 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
                         total_tokens=t.prompt_tokens + t.completion_tokens),
             ttft_ms=t.ttft_ms, tpot_ms=t.tpot_ms, tokens_per_sec=t.tokens_per_sec, total_ms=t.total_ms)
 
-    @app.post("/v1/generate/stream", dependencies=[Depends(guards.admit)], response_class=EventStreamResponse,
+    @app.post("/v1/generate/stream", response_class=EventStreamResponse,
               status_code=200, responses={200: {"content": {"text/event-stream": {}}}, **ERRORS})
     async def generate_stream(body: GenerateRequest, request: Request) -> EventStreamResponse:
         job = await dispatcher.start(request.state.record, body.sampling_overrides(), body.max_new_tokens,
                                      body.prompt, body.chat)
         return EventStreamResponse(job.sse(native_chunks))
 
-    app.include_router(openai.router(dispatcher, guards, model_name, ERRORS))
+    app.include_router(openai.router(dispatcher, model_name, ERRORS))
     return app
 
 

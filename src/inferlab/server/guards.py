@@ -12,13 +12,13 @@ import time
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from limits import parse
 from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -47,7 +47,11 @@ def envelope(code: str, message: str) -> dict[str, Any]:
 
 
 def error_response(error: InferlabError) -> JSONResponse:
-    headers = {"Retry-After": str(error.retry_after_s)} if isinstance(error, RateLimitedError) else None
+    headers = None
+    if isinstance(error, RateLimitedError):
+        headers = {"Retry-After": str(error.retry_after_s)}
+    elif isinstance(error, UnauthorizedError):
+        headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(envelope(error.code, _one_line(error)), STATUS.get(error.code, 500), headers=headers)
 
 
@@ -74,10 +78,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(envelope("internal_error", f"internal error (request {request_id})"), 500)
 
 
-class Guards:
-    """Per-route dependencies: admission while not draining, API-key auth, per-client rate limit."""
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
-    bearer = HTTPBearer(auto_error=False, description="one of server.api_keys, when any are configured")
+
+class Guards:
+    """Who may call: draining, API key, per-client rate limit, decided from the method, path and headers
+    alone. Every path but OPEN_PATHS needs the key when keys are configured; every POST (the work)
+    is refused while draining and counts against the client's limit."""
 
     def __init__(self, settings: ServerSettings) -> None:
         self.keys = [k.encode() for k in settings.api_keys]
@@ -85,25 +92,46 @@ class Guards:
         self.limiter = MovingWindowRateLimiter(MemoryStorage())
         self.draining = False  # set when shutdown starts: refuse new work, let running streams finish
 
-    def authorize(self, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str | None:
-        """The caller's key; None when no keys are configured (then a made-up token must not buy a fresh
-        rate-limit bucket); 401 when it is missing or wrong."""
+    def check(self, method: str, path: str, authorization: str | None, address: str) -> None:
+        if path in OPEN_PATHS:
+            return
+        if method == "POST" and self.draining:
+            raise ShuttingDownError("the server is shutting down")
+        key = self.authorize(authorization)
+        if method == "POST":
+            # no keys configured: the bucket is the address, so a made-up token cannot buy a fresh one
+            client = f"key:{key}" if key else f"addr:{address}"
+            if not self.limiter.hit(self.limit, client):
+                reset = self.limiter.get_window_stats(self.limit, client).reset_time
+                raise RateLimitedError(f"rate limit {self.limit} exceeded", max(1, math.ceil(reset - time.time())))
+
+    def authorize(self, authorization: str | None) -> str | None:
+        """The caller's key (None when no keys are configured); 401 when it is missing or wrong."""
         if not self.keys:
             return None
-        given = credentials.credentials.encode() if credentials else b""
+        scheme, _, token = (authorization or "").partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
         if not any(hmac.compare_digest(given, key) for key in self.keys):
             raise UnauthorizedError("missing or wrong API key: send `Authorization: Bearer <key>`")
-        return credentials.credentials
+        return given.decode()
 
-    def admit(self, request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        """For generation routes: refuse while draining, then count the call against the client's limit."""
-        if self.draining:
-            raise ShuttingDownError("the server is shutting down")
-        key = self.authorize(credentials)
-        client = f"key:{key}" if key else f"addr:{request.client.host if request.client else 'unknown'}"
-        if not self.limiter.hit(self.limit, client):
-            reset = self.limiter.get_window_stats(self.limit, client).reset_time
-            raise RateLimitedError(f"rate limit {self.limit} exceeded", max(1, math.ceil(reset - time.time())))
+
+class Gate:
+    """ASGI middleware: `Guards.check` before anything reads, parses or validates the body, so a client
+    without a key learns only that (401), however malformed what it sent."""
+
+    def __init__(self, app: ASGIApp, guards: Guards) -> None:
+        self.app, self.guards = app, guards
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            client = scope.get("client")
+            try:
+                self.guards.check(scope["method"], scope["path"], Headers(scope=scope).get("authorization"),
+                                  client[0] if client else "unknown")
+            except InferlabError as error:
+                return await error_response(error)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class BodySizeLimit:

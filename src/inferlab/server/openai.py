@@ -6,17 +6,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
 from inferlab.engine.engine import StreamEvent, Timings
-from inferlab.server.guards import Guards
 from inferlab.server.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                      CompletionChoice, CompletionRequest, CompletionResponse, Usage)
 from inferlab.server.streams import Dispatcher, EventStreamResponse
 
 
-def router(dispatcher: Dispatcher, guards: Guards, model_name: str, errors: dict[int, Any]) -> APIRouter:
-    routes = APIRouter(dependencies=[Depends(guards.admit)])
+def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> APIRouter:
+    routes = APIRouter()
     responses = {200: {"content": {"application/json": {}, "text/event-stream": {}}}, **errors}
 
     @routes.post("/v1/completions", responses=responses, response_model=CompletionResponse)
