@@ -15,27 +15,18 @@ from torch import Tensor, nn
 
 from inferlab.kernels.attention import DECODE_ATTENTION_MAX_HEAD_DIM
 from inferlab.kernels.build import fast_kernels_apply
-from inferlab.kernels.gemv import GEMV_K_STEP, GEMV_MAX_K, GEMV_MAX_ROWS, GemvLinear
+from inferlab.kernels.gemv import GEMV_K_STEP, GEMV_MAX_K, GEMV_MAX_ROWS
+from inferlab.kernels.layer import KernelLayer
 from inferlab.model.transformer import Transformer
-from inferlab.quant.int4 import Int4GroupLinear
-from inferlab.quant.int8 import Int8Linear
 
 
 def projection_parts(linear: nn.Module) -> list[Tensor] | None:
     """[weight, scales, mins, bias] as the C++ plan takes a projection (absent parts empty), or None when
     this layer does not run on the gemv kernel."""
-    if linear.in_features % GEMV_K_STEP or linear.in_features > GEMV_MAX_K:
+    weights = linear.kernel_weights() if isinstance(linear, KernelLayer) else None
+    if weights is None or linear.in_features % GEMV_K_STEP or linear.in_features > GEMV_MAX_K:
         return None
-    if isinstance(linear, GemvLinear):
-        parts = [linear.weight, None, None, linear.bias]
-    elif isinstance(linear, Int8Linear) and linear.use_kernel:
-        parts = [linear.weight, linear.scales, None, linear.bias]
-    elif isinstance(linear, Int4GroupLinear) and linear.use_kernel and linear.layout == "rows":
-        parts = [linear.weight, linear.scales, linear.mins, linear.bias]
-    else:
-        return None
-    empty = linear.weight.new_empty(0)
-    return [empty if t is None else t.detach() for t in parts]
+    return weights.parts()
 
 
 class FusedDecode:

@@ -11,9 +11,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferlab.kernels.build import cpu_gemv_available
+from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm, swiglu
 
 GEMV_MAX_ROWS, GEMV_K_STEP, GEMV_MAX_K = 8, 16, 8192  # kMaxRows, kStep and the K limit in csrc/gemv.h
+FLOAT_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 def gemv_fits(x: Tensor, width: int) -> bool:
@@ -45,7 +47,7 @@ def prepared_input(x: Tensor, norm: RMSNorm | None, gated: bool) -> Tensor:
 
 class GemvLinear(nn.Module):
     """An nn.Linear that decodes through the CPU kernel (with the RMSNorm or SwiGLU before it fused in)
-    and leaves larger products to `F.linear`."""
+    and leaves larger products to `F.linear`; a KernelLayer (layer.py)."""
 
     fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_swiglu
 
@@ -53,8 +55,15 @@ class GemvLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        self.use_kernel = True
+
+    def kernel_weights(self) -> KernelWeights | None:
+        weight_format = FLOAT_FORMATS.get(self.weight.dtype)
+        if not self.use_kernel or weight_format is None:
+            return None
+        return KernelWeights(weight_format, self.weight, bias=self.bias)
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
-        if gemv_fits(x, self.in_features * (1 + gated)):
+        if self.use_kernel and gemv_fits(x, self.in_features * (1 + gated)):
             return gemv(x, self.weight, None, self.bias, norm, gated)
         return F.linear(prepared_input(x, norm, gated), self.weight, self.bias)

@@ -9,6 +9,7 @@ from torch import nn
 from inferlab.kernels.build import fast_kernels_apply
 from inferlab.kernels.gemv import GemvLinear
 from inferlab.kernels.huge_pages import move_weights_to_huge_pages
+from inferlab.kernels.layer import KernelLayer
 
 log = logging.getLogger(__name__)
 
@@ -16,14 +17,14 @@ log = logging.getLogger(__name__)
 def select_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str) -> list[str]:
     """Swap each plain nn.Linear for the kernel chosen for this device; return the swapped names.
 
-    Quantized layers (quant/) pick their own kernels per call and are left alone, except that
-    `kernels=portable` sends them down their dequantize-then-linear reference path too. On CPU with
+    Layers already on the kernels (KernelLayer: the quantized ones of quant/) pick their kernels per call
+    and are left alone, except that `kernels=portable` sends them down their reference path too. On CPU with
     `kernels=fast` the weights then move onto huge pages (huge_pages.py).
     """
     fast = fast_kernels_apply(device, dtype, kernels)
     swapped = []
     for name, module in list(model.named_modules()):
-        if hasattr(module, "use_kernel"):
+        if isinstance(module, KernelLayer):
             module.use_kernel = kernels == "fast"
         for child_name, child in list(module.named_children()):
             if fast and type(child) is nn.Linear:

@@ -66,10 +66,10 @@ def module_bytes(module: nn.Module) -> int:
 def _kernel(module: nn.Module) -> str:
     """The kernel a decode step runs: gemv (kernels/csrc), int8pack, aten's int4pack "cpu" / "cuda", or "rows"
     (the dequantize-then-linear reference)."""
-    device, int4 = module.weight.device, isinstance(module, Int4GroupLinear)
-    if module.use_kernel and device.type == "cpu" and cpu_gemv_available() and (not int4 or module.layout == "rows"):
+    device = module.weight.device
+    if module.kernel_weights() is not None and device.type == "cpu" and cpu_gemv_available():
         return "gemv"
-    if int4:
+    if isinstance(module, Int4GroupLinear):
         return module.layout
     return "int8pack" if module.use_kernel and int8_kernel_fits(device, module.scales.dtype) else "rows"
 

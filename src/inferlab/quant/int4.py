@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input
+from inferlab.kernels.layer import KernelWeights
 from inferlab.errors import QuantizationError
 from inferlab.model.transformer import RMSNorm
 from inferlab.kernels.aten import int4_layout, int4_mm, int4pack_scales_and_zeros, to_int4pack
@@ -58,7 +59,8 @@ class Int4GroupLinear(nn.Module):
     int4pack layout when the device and activation dtype have one, else plain nibble rows read by
     the dequantize-then-linear reference (`use_kernel=False` forces it; tests compare the two).
     `codes=(q, scales, mins)` takes precomputed codes (GGUF Q4_1 blocks) instead of quantizing
-    `linear.weight`; `linear` then only supplies shape, bias, dtype and device.
+    `linear.weight`; `linear` then only supplies shape, bias, dtype and device. A KernelLayer
+    (kernels/layer.py): the gemv kernel reads the nibble rows.
     """
 
     def __init__(self, linear: nn.Linear, group_size: int = 64, use_kernel: bool = True,
@@ -85,6 +87,11 @@ class Int4GroupLinear(nn.Module):
         if self.layout != "rows":
             raise QuantizationError(f"weights in the {self.layout} int4pack layout are opaque; build with use_kernel=False")
         return dequantize_groups_int4(unpack_nibbles(self.weight), self.scales, self.mins)
+
+    def kernel_weights(self) -> KernelWeights | None:
+        if not self.use_kernel or self.layout != "rows":
+            return None
+        return KernelWeights("int4", self.weight, self.scales, self.mins, self.bias, self.group_size)
 
     fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_swiglu
 

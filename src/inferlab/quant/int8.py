@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input
+from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
 from inferlab.kernels.aten import int8_kernel_fits, int8_mm
 
@@ -22,6 +23,7 @@ class Int8Linear(nn.Module):
     """Drop-in for nn.Linear holding int8 weights (N, K) and one scale per output row, in the activation dtype.
 
     `use_kernel=False` keeps the plain dequantize-then-linear path: the reference the kernel is tested against.
+    A KernelLayer (kernels/layer.py).
     """
 
     def __init__(self, linear: nn.Linear, use_kernel: bool = True) -> None:
@@ -36,6 +38,9 @@ class Int8Linear(nn.Module):
 
     def dequantize(self) -> Tensor:
         return self.weight.float() * self.scales.float()[:, None]
+
+    def kernel_weights(self) -> KernelWeights | None:
+        return KernelWeights("int8", self.weight, self.scales, bias=self.bias) if self.use_kernel else None
 
     fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_swiglu
 

@@ -1,0 +1,55 @@
+"""What a linear layer exposes to run on the kernels: its weights in a format the gemv kernel reads, and the
+switch between the fast kernels and the portable reference path.
+
+The plain layers (gemv.GemvLinear) and the quantized ones (quant/) implement `KernelLayer`; the fused
+decode step and `select_kernels` see layers only through it, so kernels/ never imports the layers' code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+FORMAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
+
+
+@dataclass(frozen=True)
+class KernelWeights:
+    """One projection's weights as csrc/gemv.h reads them: w = weight (fp32, bf16), weight * scales (int8,
+    one scale per row), or q * scale + min per group of `group_size` inputs (int4, two codes per byte)."""
+
+    format: str  # "fp32" | "bf16" | "int8" | "int4"
+    weight: Tensor  # (N, K) in FORMAT_DTYPES[format]; int4: uint8 (N, K / 2), column 2j in the low nibble
+    scales: Tensor | None = None  # int8: (N,); int4: fp32 (N, K / group_size)
+    mins: Tensor | None = None  # int4: fp32 (N, K / group_size)
+    bias: Tensor | None = None  # (N,)
+    group_size: int | None = None  # int4
+
+    def __post_init__(self) -> None:
+        if FORMAT_DTYPES.get(self.format) != self.weight.dtype:
+            raise ValueError(f"{self.format} weights must be {FORMAT_DTYPES.get(self.format)}, not {self.weight.dtype}")
+        if (self.scales is None) != (self.format in ("fp32", "bf16")):
+            raise ValueError(f"{self.format} weights {'need' if self.scales is None else 'take no'} scales")
+        if (self.mins is None or self.group_size is None) == (self.format == "int4"):
+            raise ValueError("int4 weights, and only they, have mins and a group size")
+
+    def parts(self) -> list[Tensor]:
+        """[weight, scales, mins, bias], absent ones empty: a projection as the C++ decode plan takes it."""
+        empty = self.weight.new_empty(0)
+        return [empty if t is None else t.detach() for t in (self.weight, self.scales, self.mins, self.bias)]
+
+
+@runtime_checkable
+class KernelLayer(Protocol):
+    """A linear layer y = x W^T + b that can run on the kernels."""
+
+    in_features: int
+    out_features: int
+    use_kernel: bool  # True: the fast kernels where they apply; False: the portable reference path
+
+    def kernel_weights(self) -> KernelWeights | None:
+        """The weights as the gemv kernel reads them; None while this layer does not run on it (the
+        portable path, or weights stored for another kernel)."""
+        ...

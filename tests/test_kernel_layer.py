@@ -1,0 +1,50 @@
+"""The KernelLayer protocol (kernels/layer.py): what the plain and the quantized linears hand the kernels."""
+import pytest
+import torch
+from torch import nn
+
+from inferlab.kernels.fused_decode import projection_parts
+from inferlab.kernels.gemv import GemvLinear
+from inferlab.kernels.layer import KernelLayer, KernelWeights
+from inferlab.quant.int4 import Int4GroupLinear, unpack_nibbles
+from inferlab.quant.int8 import Int8Linear
+
+
+def layers(dtype):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=True).to(dtype)
+    return linear, {"gemv": GemvLinear(linear), "int8": Int8Linear(linear), "int4": Int4GroupLinear(linear, 32)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_and_quantized_linears_expose_their_weights_and_the_switch(dtype):
+    linear, swapped = layers(dtype)
+    assert not isinstance(linear, KernelLayer)
+    gemv, int8 = swapped["gemv"].kernel_weights(), swapped["int8"].kernel_weights()
+    assert gemv.format == {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype] and gemv.weight is linear.weight
+    assert gemv.scales is None and gemv.bias is linear.bias
+    assert int8.format == "int8" and torch.equal(int8.weight, swapped["int8"].weight)
+    assert torch.allclose(int8.weight.float() * int8.scales.float()[:, None], swapped["int8"].dequantize())
+    if swapped["int4"].layout == "rows":  # where the gemv kernel reads int4 (else aten's int4pack does)
+        int4 = swapped["int4"].kernel_weights()
+        assert int4.format == "int4" and int4.group_size == 32 and int4.mins.shape == (48, 2)
+        assert unpack_nibbles(int4.weight).shape == (48, 64)
+    for layer in swapped.values():
+        assert isinstance(layer, KernelLayer)
+        weights = layer.kernel_weights()
+        if weights is not None:  # the fused decode plan takes [weight, scales, mins, bias]
+            weight, _, _, bias = projection_parts(layer)
+            assert (weight.data_ptr(), bias.data_ptr()) == (weights.weight.data_ptr(), weights.bias.data_ptr())
+        layer.use_kernel = False  # the portable reference path: nothing for the kernels
+        assert layer.kernel_weights() is None and projection_parts(layer) is None
+
+
+def test_kernel_weights_refuse_a_format_their_tensors_do_not_have():
+    w = torch.zeros(4, 16)
+    with pytest.raises(ValueError, match="int8 weights must be torch.int8"):
+        KernelWeights("int8", w, torch.ones(4))
+    with pytest.raises(ValueError, match="take no scales"):
+        KernelWeights("fp32", w, torch.ones(4))
+    with pytest.raises(ValueError, match="only they, have mins"):
+        KernelWeights("int4", torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1))
+    assert KernelWeights("fp32", w).parts()[1].numel() == 0
