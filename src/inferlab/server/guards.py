@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from inferlab.errors import (InferlabError, PayloadTooLargeError, RateLimitedError, ShuttingDownError,
                              UnauthorizedError)
 from inferlab.server.settings import ServerSettings
+from inferlab.server.validation import describe
 
 log = logging.getLogger("inferlab.server")
 
@@ -62,8 +63,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
-        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()[:3]]
-        return JSONResponse(envelope("invalid_request", "; ".join(problems) or "invalid request"), 422)
+        return JSONResponse(envelope("invalid_request", describe(error.errors())), 422)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:

@@ -21,7 +21,8 @@ def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> A
     @routes.post("/v1/completions", responses=responses, response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         record = request.state.record
-        job = await dispatcher.start(record, body.sampling_overrides(), body.max_tokens, prompt=body.text)
+        job = await dispatcher.start(record, body.sampling_overrides(), body.max_tokens, prompt=body.text,
+                                     tokens_field="max_tokens")
         chunks = Chunks(f"cmpl-{record.id}", model_name, chat=False, include_usage=body.include_usage)
         if body.stream:
             return EventStreamResponse(job.sse(chunks))
@@ -34,8 +35,9 @@ def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> A
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         record = request.state.record
         messages = [m.model_dump() for m in body.messages]
+        field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         job = await dispatcher.start(record, body.sampling_overrides(), body.max_completion_tokens or body.max_tokens,
-                                     messages=messages)
+                                     messages=messages, tokens_field=field)
         chunks = Chunks(f"chatcmpl-{record.id}", model_name, chat=True, include_usage=body.include_usage)
         if body.stream:
             return EventStreamResponse(job.sse(chunks))

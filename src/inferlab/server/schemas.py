@@ -6,8 +6,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from inferlab.server.settings import MAX_NEW_TOKENS_CEILING
-
 
 def _utf8(text: str) -> str:
     """JSON may carry lone surrogates ("\\ud800"); the tokenizer cannot, so refuse them here."""
@@ -20,12 +18,12 @@ def _utf8(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_utf8)]
 Prompt = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]
-MaxTokens = Annotated[int | None, Field(ge=1, le=MAX_NEW_TOKENS_CEILING)]
+MaxTokens = Annotated[int | None, Field(ge=1)]  # at most server.max_new_tokens_cap
 Temperature = Annotated[float | None, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float | None, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int | None, Field(ge=0)]
 Seed = Annotated[int | None, Field(ge=0, le=2**63 - 1)]
-StopString = Annotated[Text, Field(max_length=64)]
+StopString = Annotated[str, Field(max_length=64), AfterValidator(_utf8)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=4)] | None
 
 

@@ -38,20 +38,24 @@ class Dispatcher:
     settings: ServerSettings
 
     async def start(self, record: RequestRecord, sampling: dict[str, Any], max_new_tokens: int | None,
-                    prompt: str = "", chat: bool = False, messages: list[dict[str, str]] | None = None) -> "Job":
-        prompt_ids, params = self.prepare(record, sampling, max_new_tokens, prompt, chat, messages)
+                    prompt: str = "", chat: bool = False, messages: list[dict[str, str]] | None = None,
+                    tokens_field: str = "max_new_tokens") -> "Job":
+        prompt_ids, params = self.prepare(record, sampling, max_new_tokens, prompt, chat, messages, tokens_field)
         return await Job.start(self.engine, prompt_ids, params, record, self.settings.timeout_s)
 
     def prepare(self, record: RequestRecord, sampling: dict[str, Any], max_new_tokens: int | None, prompt: str,
-                chat: bool, messages: list[dict[str, str]] | None) -> tuple[list[int], SamplingParams]:
-        """Prompt token ids and sampling parameters, or InvalidRequestError (422) before any tensor work."""
+                chat: bool, messages: list[dict[str, str]] | None,
+                tokens_field: str = "max_new_tokens") -> tuple[list[int], SamplingParams]:
+        """Prompt token ids and sampling parameters, or InvalidRequestError (422) before any tensor work.
+
+        `tokens_field` is what the route calls `max_new_tokens`, for the message."""
         settings, engine = self.settings, self.engine
         chars = len(prompt) + sum(len(m["content"]) for m in messages or ())
         if chars > settings.max_prompt_chars:
-            raise InvalidRequestError(f"prompt has {chars} characters; the limit is {settings.max_prompt_chars}")
+            raise InvalidRequestError(f"prompt: {chars} characters, more than this server's {settings.max_prompt_chars}")
         cap = settings.max_new_tokens_cap
         if max_new_tokens is not None and max_new_tokens > cap:
-            raise InvalidRequestError(f"max_new_tokens must be in [1, {cap}], got {max_new_tokens}")
+            raise InvalidRequestError(f"{tokens_field}: {max_new_tokens} is more than this server's cap of {cap}")
         params = engine.sampling_params(max_new_tokens=max_new_tokens, **sampling)
         params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, cap))
         try:
