@@ -8,7 +8,7 @@ from inferlab.kernels.attention import decode_attention, decode_attention_applie
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.kernels.gemv import GEMV_MAX_ROWS, GemvLinear, gemv
 from inferlab.kernels.select import select_kernels
-from inferlab.model.transformer import RMSNorm, linear_after_norm, linear_after_swiglu
+from inferlab.model.transformer import RMSNorm, linear_after_glu, linear_after_norm
 from inferlab.quant.int4 import dequantize_groups_int4, pack_nibbles
 from inferlab.quant.int8 import Int8Linear
 
@@ -127,7 +127,7 @@ def test_gemv_linear_matches_the_unfused_ops_for_any_batch(shape):
         assert torch.allclose(GemvLinear(linear)(x), linear(x), atol=1e-5)
         gate_up = torch.cat((x, x.flip(-1)), dim=-1)
         expected = linear(F.silu(x) * x.flip(-1))
-        assert torch.allclose(linear_after_swiglu(GemvLinear(linear), gate_up), expected, atol=1e-5)
+        assert torch.allclose(linear_after_glu(GemvLinear(linear), gate_up, "silu"), expected, atol=1e-5)
 
 
 @needs_gemv

@@ -17,7 +17,7 @@ from torch import Tensor
 from inferlab.engine.kv_cache import KVCache
 from inferlab.engine.sampling import sample
 from inferlab.engine.sequence import Request
-from inferlab.model.transformer import Transformer
+from inferlab.model.transformer import PLAIN, AttentionSpan, Transformer, attend_over
 
 PAD_ID = 0  # any valid id: padded positions are masked out of every real query
 
@@ -44,8 +44,11 @@ class LeftPaddedAttend:
         visible = (keys <= query)[None] & self.key_mask[:, None, :end]  # (B, T, end)
         self.mask = (visible | (keys == query)[None]).unsqueeze(1)  # (B, 1, T, end)
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, span: AttentionSpan = PLAIN) -> Tensor:
         keys, values = self.cache.update(layer_idx, k, v, self.start, self.slots)
+        if not span.plain:  # a window counts cache columns: each row's padding shifts queries and keys alike
+            query_index = torch.arange(self.start, self.start + self.n_new, device=q.device)
+            return attend_over(q, keys, values, query_index, span, self.mask)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
 
 

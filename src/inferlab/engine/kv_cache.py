@@ -10,6 +10,7 @@ from torch import Tensor
 from inferlab.kernels.attention import decode_attention
 from inferlab.errors import CapacityError
 from inferlab.model.config import ModelConfig
+from inferlab.model.transformer import PLAIN, AttentionSpan, attend_over
 
 
 def compute_kv_cache_bytes(config: ModelConfig, batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
@@ -80,13 +81,16 @@ class CachedAttend:
                 mask = mask & self.key_mask[:, None, :end]  # (B, T, end)
             self.mask = mask.unsqueeze(1)  # (B or 1, 1, T, end)
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, span: AttentionSpan = PLAIN) -> Tensor:
         cache = self.cache
-        if self.block_tables is not None:
+        if self.block_tables is not None and span.plain:
             # one call writes this step's k/v into the slots' buffers and attends
             return decode_attention(q, k, v, cache.k_layers[layer_idx], cache.v_layers[layer_idx], self.block_tables,
                                     self.positions)
         keys, values = cache.update(layer_idx, k, v, self.start_pos, self.slots)
+        if not span.plain:
+            query_index = torch.arange(self.start_pos, self.start_pos + self.n_new, device=q.device)
+            return attend_over(q, keys, values, query_index, span, self.mask)
         causal = self.mask is None and self.n_new > 1  # then start_pos == 0: plain causal prefill
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, is_causal=causal, enable_gqa=True)
 

@@ -17,7 +17,7 @@ from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.kernels.attention import decode_attention
 from inferlab.engine.kv_cache import KVCache, compute_kv_cache_bytes
 from inferlab.model.config import ModelConfig
-from inferlab.model.transformer import Transformer
+from inferlab.model.transformer import PLAIN, AttentionSpan, Transformer, attend_over
 
 
 @dataclass
@@ -73,8 +73,11 @@ class PagedAttend:
     mask: Tensor | None = field(init=False, default=None)  # None: one query each, through decode_attention
 
     def __post_init__(self) -> None:
-        if self.n_new == 1 and self.cache.decode_kernel:
-            return
+        if not (self.n_new == 1 and self.cache.decode_kernel):
+            self._gather_plan()
+
+    def _gather_plan(self) -> None:
+        """Where this forward's k/v go and which positions each query sees, for the gather-and-SDPA path."""
         bs, device = self.cache.block_size, self.block_tables.device
         positions = self.starts[:, None] + torch.arange(self.n_new, device=device)  # (B, T)
         self.write_blocks = self.block_tables.gather(1, positions // bs)  # (B, T)
@@ -82,16 +85,21 @@ class PagedAttend:
         self.length = int(self.starts.max()) + self.n_new
         self.read_blocks = -(-self.length // bs)
         keys = torch.arange(self.length, device=device)
+        self.positions = positions
         self.mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B, 1, T, L)
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, span: AttentionSpan = PLAIN) -> Tensor:
         k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]  # (num_blocks, H, bs, D)
         if self.mask is None:
-            return decode_attention(q, k, v, k_pool, v_pool, self.block_tables, self.starts)
+            if span.plain:
+                return decode_attention(q, k, v, k_pool, v_pool, self.block_tables, self.starts)
+            self._gather_plan()  # the kernel attends over every earlier key: this layer's span needs the gather
         # advanced indices around a slice put (B, T) first: the values are (B, T, H, D)
         k_pool[self.write_blocks, :, self.write_offsets] = k.transpose(1, 2).to(k_pool.dtype)
         v_pool[self.write_blocks, :, self.write_offsets] = v.transpose(1, 2).to(v_pool.dtype)
         keys, values = self._gather(k_pool), self._gather(v_pool)
+        if not span.plain:
+            return attend_over(q, keys.to(q.dtype), values.to(q.dtype), self.positions, span)
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=self.mask,
                                               enable_gqa=True)
 

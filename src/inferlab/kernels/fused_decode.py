@@ -38,7 +38,8 @@ class FusedDecode:
     @classmethod
     def build(cls, model: Transformer, device: torch.device, dtype: torch.dtype, kernels: str) -> FusedDecode | None:
         config = model.config
-        if (not fast_kernels_apply(device, dtype, kernels) or config.head_dim % 8
+        if (not config.llama_layer  # the plan runs exactly the Llama layer: other families keep the Python model
+                or not fast_kernels_apply(device, dtype, kernels) or config.head_dim % 8
                 or config.head_dim > DECODE_ATTENTION_MAX_HEAD_DIM):
             return None
         output = projection_parts(model.output)

@@ -49,7 +49,7 @@ class GemvLinear(nn.Module):
     """An nn.Linear that decodes through the CPU kernel (with the RMSNorm or SwiGLU before it fused in)
     and leaves larger products to `F.linear`; a KernelLayer (layer.py)."""
 
-    fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_swiglu
+    fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_glu
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from inferlab.errors import ModelLoadError
-from inferlab.model.config import ModelConfig
+from inferlab.model.config import FAMILIES, ModelConfig
+from inferlab.model.safetensors_files import SafetensorsFiles
 from inferlab.model.tokenizer import Tokenizer
 from inferlab.model.transformer import Transformer
 
@@ -39,12 +40,12 @@ def load_model(spec: dict[str, Any], dtype: torch.dtype, device: torch.device, m
     if path:
         path = Path(path).expanduser()
         if path.is_dir():
-            return _finish(*load_hf_dir(path), f"hf:{path}", None, dtype, device, max_seq_len)
-        return _finish(*load_gguf(path), f"gguf:{path}", path, dtype, device, max_seq_len)
+            return _finish(*load_hf_dir(path, dtype), f"hf:{path}", None, dtype, device, max_seq_len)
+        return _finish(*load_gguf(path, dtype), f"gguf:{path}", path, dtype, device, max_seq_len)
     source = spec["source"]
     if source == "gguf_package":
         gguf_path = locate_package_file(spec["package"], spec["file"], spec.get("install", ""))
-        return _finish(*load_gguf(gguf_path), f"gguf:{gguf_path.name}", gguf_path, dtype, device, max_seq_len)
+        return _finish(*load_gguf(gguf_path, dtype), f"gguf:{gguf_path.name}", gguf_path, dtype, device, max_seq_len)
     if source == "random":
         config = ModelConfig.from_dict(dict(spec["architecture"]))
         tokenizer_spec = spec["tokenizer"]
@@ -72,7 +73,8 @@ def _finish(config: ModelConfig, state: dict[str, Tensor], tokenizer: Tokenizer,
         model = Transformer(config)
     if config.tie_embeddings:
         state.pop("output.weight", None)
-    state = {k: v.to(dtype=dtype, device=device) for k, v in state.items()}
+    for name in list(state):  # one tensor at a time: never a second copy of the whole model
+        state[name] = state[name].to(dtype=dtype, device=device)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (config.tie_embeddings and k == "output.weight")]
     if missing or unexpected:
@@ -101,37 +103,63 @@ _HF_LAYER_NAMES = {
     "self_attn.o_proj.weight": "attention.wo.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
 }
+_HF_SANDWICH_NAMES = {  # Gemma: post_attention_layernorm is the attention output's norm, the MLP has its own pair
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffn_norm.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+_HF_QK_NORM_NAMES = {"self_attn.q_norm.weight": "attention.q_norm.weight",
+                     "self_attn.k_norm.weight": "attention.k_norm.weight"}
+_HF_FUSED = {  # ours <- the checkpoint's parts, concatenated by rows: split (Llama) or already fused (Phi-3)
+    "attention.wqkv": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.qkv_proj"]),
+    "feed_forward.w13": (["mlp.gate_proj", "mlp.up_proj"], ["mlp.gate_up_proj"]),
+}
 
 
-def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
-    from safetensors.torch import load_file
-
+def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
+    """config.json, *.safetensors (read tensor by tensor, each straight into `dtype`) and tokenizer.json."""
     config_file = path / "config.json"
     files = sorted(path.glob("*.safetensors"))
     if not config_file.is_file() or not files:
         raise ModelLoadError(f"{path} is not an HF checkpoint directory (needs config.json and *.safetensors)")
     if not (path / "tokenizer.json").is_file():
         raise ModelLoadError(f"{path} has no tokenizer.json")
-    config = ModelConfig.from_hf(json.loads(config_file.read_text()))
-    raw: dict[str, Tensor] = {}
-    for f in files:
-        raw.update(load_file(str(f)))
+    hf = json.loads(config_file.read_text())
+    config = ModelConfig.from_hf(hf)
+    norm_offset = FAMILIES[hf.get("model_type", "llama")].get("norm_offset", False)
+    raw = SafetensorsFiles(files)
 
     def get(name: str) -> Tensor:
-        return raw[name].float()
+        if norm_offset and name.endswith("norm.weight"):  # Gemma's norms scale by (1 + w): stored as 1 + w
+            return (raw.get(name, torch.float32) + 1).to(dtype)
+        return raw.get(name, dtype)
 
+    def fused(prefix: str, splits: tuple[list[str], list[str]], suffix: str) -> Tensor | None:
+        for parts in splits:
+            names = [f"{prefix}{p}.{suffix}" for p in parts]
+            if all(n in raw for n in names):
+                return torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
+        return None
+
+    layer_names = dict(_HF_SANDWICH_NAMES if config.sandwich_norms else _HF_LAYER_NAMES)
+    if config.qk_norm:
+        layer_names.update(_HF_QK_NORM_NAMES)
     state = {"tok_embeddings.weight": get("model.embed_tokens.weight"), "norm.weight": get("model.norm.weight")}
     if "lm_head.weight" in raw and not config.tie_embeddings:
         state["output.weight"] = get("lm_head.weight")
     for i in range(config.n_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        for src, dst in _HF_LAYER_NAMES.items():
-            state[ours + dst] = get(hf + src)
-        qkv = [f"{hf}self_attn.{p}_proj" for p in "qkv"]
-        state[ours + "attention.wqkv.weight"] = torch.cat([get(n + ".weight") for n in qkv])
-        if config.qkv_bias:
-            state[ours + "attention.wqkv.bias"] = torch.cat([get(n + ".bias") for n in qkv])
-        state[ours + "feed_forward.w13.weight"] = torch.cat([get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")])
+        hf_layer, ours = f"model.layers.{i}.", f"layers.{i}."
+        for src, dst in layer_names.items():
+            state[ours + dst] = get(hf_layer + src)
+        for dst, splits in _HF_FUSED.items():
+            for suffix in ("weight", "bias") if dst == "attention.wqkv" and config.qkv_bias else ("weight",):
+                tensor = fused(hf_layer, splits, suffix)
+                if tensor is None:
+                    raise ModelLoadError(f"{path}: layer {i} has no {' or '.join('+'.join(s) for s in splits)} {suffix}")
+                state[f"{ours}{dst}.{suffix}"] = tensor
     return config, state, Tokenizer.from_hf_dir(path)
 
 
@@ -167,7 +195,7 @@ def unpermute_qk(w: Tensor, n_heads: int) -> Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
+def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
     from gguf import quants
 
     reader = _open_gguf(path)
@@ -177,7 +205,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
 
     def get(name: str, fix: Callable[[Tensor], Tensor] = lambda w: w) -> Tensor:
         t = tensors[name]
-        return fix(torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)))
+        return fix(torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))).to(dtype)
 
     permute = meta["general.architecture"] == "llama"  # qwen2 GGUFs keep the HF row order
     fix_q = (lambda w: unpermute_qk(w, config.n_heads)) if permute else (lambda w: w)

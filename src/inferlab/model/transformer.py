@@ -1,4 +1,8 @@
-"""A Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+"""A Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, and its declared variants.
+
+The variants (model/config.py) switch small parts on, never copy the model: per-head q/k norms
+(Qwen3, Gemma 3), GeGLU and norms after attention and MLP too (Gemma), scaled embeddings, soft-capped
+scores and logits, sliding-window layers with their own rope table (Gemma 3), partial rotary (Phi-3).
 
 q/k/v and gate/up are fused into one Linear each (loaders concatenate the checkpoint's rows), so a
 decode step runs 4 matrix-vector products per layer instead of 7. Attention is delegated to an
@@ -7,6 +11,7 @@ decode step runs 4 matrix-vector products per layer instead of 7. Attention is d
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -16,15 +21,56 @@ from torch import Tensor, nn
 from inferlab.model.config import ModelConfig
 
 
+@dataclass(frozen=True)
+class AttentionSpan:
+    """What one layer's queries see beyond plain causal attention over every earlier key."""
+
+    window: int | None = None  # sliding window: the query and the window - 1 keys before it
+    softcap: float = 0.0  # scores -> softcap * tanh(scores / softcap); 0 = off
+
+    @property
+    def plain(self) -> bool:
+        return self.window is None and not self.softcap
+
+
+PLAIN = AttentionSpan()
+
+
 class Attend(Protocol):
     """Writes this step's k/v where the cache keeps them and attends q over everything visible."""
 
-    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, span: AttentionSpan = PLAIN) -> Tensor: ...
     # q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, T, head_dim) -> (B, n_heads, T, head_dim)
 
 
-def causal_attend(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def attend_over(q: Tensor, keys: Tensor, values: Tensor, query_index: Tensor, span: AttentionSpan,
+                mask: Tensor | None = None) -> Tensor:
+    """Causal attention narrowed to `span`, for every cache layout: keys are indexed 0..L-1 in order.
+
+    q: (B, H, T, D); keys, values: (B, H_kv, L, D); query_index: (T,) or (B, T), each query's index on the
+    key axis; mask: (B or 1, 1, T, L) bool, True = may attend (padding), or None -> (B, H, T, D)
+    """
+    key_index = torch.arange(keys.shape[2], device=q.device)
+    query = query_index.unsqueeze(-1)  # (..., T, 1)
+    visible = key_index <= query
+    if span.window is not None:
+        visible = visible & (key_index > query - span.window)
+    visible = visible[:, None] if visible.dim() == 3 else visible[None, None]  # (B or 1, 1, T, L)
+    if mask is not None:
+        visible = visible & mask
+    if not span.softcap:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = torch.tanh((q @ keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5 / span.softcap)) * span.softcap
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")).float(), dim=-1).to(q.dtype)
+    return weights @ values
+
+
+def causal_attend(layer_idx: int, q: Tensor, k: Tensor, v: Tensor, span: AttentionSpan = PLAIN) -> Tensor:
     """No cache: attend causally within this forward (the recompute baseline)."""
+    if not span.plain:
+        return attend_over(q, k, v, torch.arange(q.shape[2], device=q.device), span)
     return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=True)
 
 
@@ -39,12 +85,26 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
-def rope_frequencies(config: ModelConfig) -> Tensor:
-    """Inverse frequencies (head_dim / 2,), with llama3-style scaling when the config asks for it."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    s = config.rope_scaling
-    if s:
+def rope_frequencies(config: ModelConfig, local: bool = False) -> tuple[Tensor, float]:
+    """(inverse frequencies (rotary_dim / 2,), the cos/sin scale), with the config's rope scaling.
+
+    `local`: the sliding layers' own table (Gemma 3), unscaled. LongRoPE (Phi-3) takes its long factors
+    when the context (max_seq_len) exceeds the original one, its short factors otherwise, as llama.cpp
+    does (transformers switches per forward, by the longest position in it).
+    """
+    d = config.rotary_dim
+    theta = config.rope_local_theta if local else config.rope_theta
+    exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
+    s = None if local else config.rope_scaling
+    kind = s["rope_type"] if s else None
+    if kind == "longrope":
+        long = config.max_seq_len > s["original_max_position_embeddings"]
+        factors = torch.tensor(s["long_factor"] if long else s["short_factor"], dtype=torch.float64)
+        return (1.0 / (factors * theta ** exponents)).float(), float(s["attention_factor"])
+    inv_freq = 1.0 / (theta ** exponents)
+    if kind == "linear":
+        inv_freq = inv_freq / s["factor"]
+    elif kind == "llama3":
         factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old_len = s["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
@@ -52,13 +112,16 @@ def rope_frequencies(config: ModelConfig) -> Tensor:
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    return inv_freq.float()
+    return inv_freq.float(), 1.0
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: (B, H, T, D); cos, sin: (B, 1, T, D), sin negated on its first half (Transformer.reset_rope).
-    # Rotate-half layout, as HF checkpoints store q/k: x * cos + (-x2, x1) * sin, the sign being in `sin`
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+    # x: (B, H, T, D); cos, sin: (B, 1, T, R), R <= D rotated dims, sin negated on its first half
+    # (Transformer.reset_rope). Rotate-half layout, as HF checkpoints store q/k: x * cos + (-x2, x1) * sin
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:  # partial rotary: the trailing dims pass through
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+    return torch.addcmul(x * cos, x.roll(rotary // 2, dims=-1), sin)
 
 
 def linear_after_norm(linear: nn.Module, norm: RMSNorm, x: Tensor) -> Tensor:
@@ -74,11 +137,24 @@ def swiglu(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def linear_after_swiglu(linear: nn.Module, gate_up: Tensor) -> Tensor:
-    """linear(swiglu(gate_up)), in one call where the linear's kernel gates its input rows itself."""
-    if getattr(linear, "fuses_input", False):
+def geglu(gate_up: Tensor) -> Tensor:
+    # gelu with the tanh approximation (Gemma's gelu_pytorch_tanh)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATES = {"silu": swiglu, "gelu_tanh": geglu}
+
+
+def linear_after_glu(linear: nn.Module, gate_up: Tensor, activation: str) -> Tensor:
+    """linear(glu(gate_up)), in one call where the linear's kernel gates its input rows itself (SwiGLU only)."""
+    if activation == "silu" and getattr(linear, "fuses_input", False):
         return linear(gate_up, gated=True)
-    return linear(swiglu(gate_up))
+    return linear(GATES[activation](gate_up))
+
+
+def softcap(x: Tensor, cap: float) -> Tensor:
+    return torch.tanh(x / cap) * cap
 
 
 class Attention(nn.Module):
@@ -90,26 +166,40 @@ class Attention(nn.Module):
         self.split = (q_size + kv_size, kv_size)
         self.wqkv = nn.Linear(config.dim, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.wo = nn.Linear(q_size, config.dim, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
+        self.qk_norm = config.qk_norm
+        # a query scale other than 1 / sqrt(head_dim), folded into q so every attention path applies it
+        self.q_scale = config.query_scale * math.sqrt(self.head_dim) if config.query_scale else 1.0
+        self.span = AttentionSpan(config.window(layer_idx), config.attn_softcap)
 
     def forward(self, x: Tensor, norm: RMSNorm, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         B, T, _ = x.shape
         qk, v = linear_after_norm(self.wqkv, norm, x).split(self.split, dim=-1)
         # q and k heads rotated together: (B, n_heads + n_kv_heads, T, head_dim)
-        qk = apply_rope(qk.view(B, T, self.n_heads + self.n_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
+        qk = qk.view(B, T, self.n_heads + self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q, k = apply_rope(qk, cos, sin).split((self.n_heads, self.n_kv_heads), dim=1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        out = attend(self.layer_idx, q, k, v)
+        # a plain layer calls attend as the Llama decoder always has (an attend may take no span)
+        out = attend(self.layer_idx, q, k, v) if self.span.plain else attend(self.layer_idx, q, k, v, self.span)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.activation = config.activation
         self.w13 = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)  # gate and up, fused
         self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)
 
     def forward(self, x: Tensor, norm: RMSNorm) -> Tensor:
-        return linear_after_swiglu(self.w2, linear_after_norm(self.w13, norm, x))
+        return linear_after_glu(self.w2, linear_after_norm(self.w13, norm, x), self.activation)
 
 
 class Block(nn.Module):
@@ -119,10 +209,17 @@ class Block(nn.Module):
         self.attention = Attention(config, layer_idx)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
+        if config.sandwich_norms:  # Gemma: each branch's output normalized before the residual add
+            self.post_attention_norm = RMSNorm(config.dim, config.norm_eps)
+            self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.sandwich_norms = config.sandwich_norms
+        self.local_rope = config.local_rope(layer_idx)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-        h = x + self.attention(x, self.attention_norm, cos, sin, attend)
-        return h + self.feed_forward(h, self.ffn_norm)
+        attended = self.attention(x, self.attention_norm, cos, sin, attend)
+        h = x + (self.post_attention_norm(attended) if self.sandwich_norms else attended)
+        fed = self.feed_forward(h, self.ffn_norm)
+        return h + (self.post_ffn_norm(fed) if self.sandwich_norms else fed)
 
 
 class Transformer(nn.Module):
@@ -138,28 +235,36 @@ class Transformer(nn.Module):
         self.reset_rope()
 
     def reset_rope(self) -> None:
-        """(Re)build the cos/sin tables (max_seq_len, head_dim) in fp32, stored in the weights' dtype and device.
+        """(Re)build the cos/sin tables (max_seq_len, rotary_dim) in fp32, stored in the weights' dtype and device;
+        Gemma 3's sliding layers get a second pair (rope_local_*).
 
         Loaders call it again once the weights are materialized: a model built on the meta device
         has meta tables.
         """
+        tables = {"rope": False, "rope_local": True} if self.config.rope_local_theta else {"rope": False}
         weight = self.tok_embeddings.weight
-        positions = torch.arange(self.config.max_seq_len, dtype=torch.float32, device=weight.device)
-        angles = torch.outer(positions, rope_frequencies(self.config).to(weight.device))
-        angles = torch.cat((angles, angles), dim=-1)  # (max_seq_len, head_dim)
-        sin = angles.sin()
-        sin[:, : self.config.head_dim // 2] *= -1  # the rotate-half sign (apply_rope)
-        self.register_buffer("rope_cos", angles.cos().to(weight.dtype), persistent=False)
-        self.register_buffer("rope_sin", sin.to(weight.dtype), persistent=False)
+        for name, local in tables.items():
+            inv_freq, scale = rope_frequencies(self.config, local)
+            positions = torch.arange(self.config.max_seq_len, dtype=torch.float32, device=weight.device)
+            angles = torch.outer(positions, inv_freq.to(weight.device))
+            angles = torch.cat((angles, angles), dim=-1)  # (max_seq_len, rotary_dim)
+            sin = angles.sin() * scale
+            sin[:, : self.config.rotary_dim // 2] *= -1  # the rotate-half sign (apply_rope)
+            self.register_buffer(f"{name}_cos", (angles.cos() * scale).to(weight.dtype), persistent=False)
+            self.register_buffer(f"{name}_sin", sin.to(weight.dtype), persistent=False)
 
     def forward(self, tokens: Tensor, positions: Tensor, attend: Attend = causal_attend,
                 last_only: bool = False) -> Tensor:
         # tokens, positions: (B, T) -> logits (B, T, vocab), or (B, 1, vocab) with last_only
         x = self.tok_embeddings(tokens)
-        cos = self.rope_cos[positions].unsqueeze(1)  # (B, 1, T, head_dim)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        if self.config.embed_scale != 1.0:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        rope = {False: (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))}  # (B, 1, T, R)
+        if self.config.rope_local_theta:
+            rope[True] = (self.rope_local_cos[positions].unsqueeze(1), self.rope_local_sin[positions].unsqueeze(1))
         for layer in self.layers:
-            x = layer(x, cos, sin, attend)
+            x = layer(x, *rope[layer.local_rope], attend)
         if last_only:
             x = x[:, -1:]
-        return linear_after_norm(self.output, self.norm, x)
+        logits = linear_after_norm(self.output, self.norm, x)
+        return softcap(logits, self.config.final_softcap) if self.config.final_softcap else logits

@@ -93,7 +93,7 @@ class Int4GroupLinear(nn.Module):
             return None
         return KernelWeights("int4", self.weight, self.scales, self.mins, self.bias, self.group_size)
 
-    fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_swiglu
+    fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_glu
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
         if self.layout == "rows" and self.use_kernel and gemv_fits(x, self.in_features * (1 + gated)):  # decode

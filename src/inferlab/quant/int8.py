@@ -42,7 +42,7 @@ class Int8Linear(nn.Module):
     def kernel_weights(self) -> KernelWeights | None:
         return KernelWeights("int8", self.weight, self.scales, bias=self.bias) if self.use_kernel else None
 
-    fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_swiglu
+    fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_glu
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
         if self.use_kernel and gemv_fits(x, self.in_features * (1 + gated)):  # decode: one pass over the rows
