@@ -11,7 +11,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from inferlab import load_engine
-from inferlab.engine.kernels import cpu_gemv_available
+from inferlab.kernels.build import cpu_gemv_available
 from inferlab.model.loader import load_model
 
 from conftest import byte_level_backend
