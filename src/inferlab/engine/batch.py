@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inferlab.engine.kv_cache import KVCache
-from inferlab.engine.sampling import sample
 from inferlab.engine.sequence import Request
 from inferlab.model.transformer import PLAIN, AttentionSpan, Transformer, attend_over
 
@@ -93,7 +92,7 @@ def run_static_batch(batch: LeftPaddedBatch, requests: list[Request], lock: thre
     while True:
         for request, row in zip(requests, logits):
             if not request.finished:
-                for event in request.accept(sample(row, request.params, request.generator)):
+                for event in request.sample(row):
                     request.emit(event)
         if all(r.finished for r in requests):
             return

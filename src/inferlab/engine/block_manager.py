@@ -57,14 +57,15 @@ class BlockManager:
     def can_allocate(self, n_tokens: int) -> bool:
         return self.blocks_for(n_tokens) <= self.num_free
 
-    def allocate(self, table: BlockTable, token_ids: list[int], n_tokens: int) -> bool:
-        """Blocks for `n_tokens` positions of a sequence starting with `token_ids`, prefix blocks reused.
+    def allocate(self, table: BlockTable, token_ids: list[int], n_tokens: int, reuse: bool = True) -> bool:
+        """Blocks for `n_tokens` positions of a sequence starting with `token_ids`, prefix blocks reused
+        unless `reuse` is off (a prompt whose every position's logits are wanted).
 
         At least the last token is always computed (its logits are needed), so a fully cached prompt
         still leaves its final block to recompute. False (and nothing held) when the pool is short.
         """
         assert not table.blocks, "allocate a table once; free it first"
-        if self.prefix is not None:
+        if self.prefix is not None and reuse:
             full = (len(token_ids) - 1) // self.block_size
             parent = None
             for i in range(full):

@@ -29,7 +29,7 @@ from inferlab.kernels.attention import decode_attention_applies
 from inferlab.engine.kv_cache import CachedAttend, KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.engine.prefix_cache import PrefixCache
-from inferlab.engine.sampling import SamplingParams, sample
+from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent, Timings
 from inferlab.engine.speculative import Speculation, stream_events
@@ -251,6 +251,16 @@ class InferenceEngine:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
+    def check_supported(self, params: SamplingParams, loop: bool) -> None:
+        """Refuse, by name, what this path cannot do: speculative decoding samples many positions per
+        forward without a request's history; prompt log-probabilities come from the engine loop's prefill."""
+        if self.speculation is not None and params.history_fields():
+            raise InvalidRequestError(f"{', '.join(params.history_fields())}: not available with speculative "
+                                      "decoding; serve with spec=off")
+        if params.prompt_logprobs is not None and not (loop and self.scheduler is not None):
+            raise InvalidRequestError("prompt logprobs (echo with logprobs) are computed in the engine loop's "
+                                      "prefill: serve with cache=contiguous or cache=paged and spec=off")
+
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise InvalidRequestError("prompt must not be empty")
@@ -260,43 +270,27 @@ class InferenceEngine:
 
     def iter_events(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         """Generate token by token; the last event closes the request with its finish reason and timings."""
+        self.check_supported(params, loop=False)
         if self.speculation is not None:
             yield from self._iter_speculative(prompt_ids, params)
             return
-        start = time.perf_counter()
-        max_new = min(params.max_new_tokens, self.config.max_seq_len - len(prompt_ids))
+        request = self._new_request(prompt_ids, params, emit=lambda item: None)  # events are yielded, not emitted
         with self._lock:
-            logits, seq = self.prefill(prompt_ids, reserve_tokens=max_new)
+            logits, seq = self.prefill(prompt_ids, reserve_tokens=request.max_new_tokens)
             self._single_running += 1
-        generator = params.make_generator(self.config.device)
-        text = TextStream(self.tokenizer, params.stop)
-        token_ids: list[int] = []
-        first = start
-        finish = "length"
         try:
             while True:
-                token = sample(logits, params, generator)
-                if not token_ids:
-                    first = time.perf_counter()
-                if token in self.tokenizer.eos_ids:
-                    finish = "stop"
+                events = request.sample(logits)
+                if request.finished:
                     break
-                token_ids.append(token)
-                delta, stopped = text.push(token)
-                yield StreamEvent(len(token_ids) - 1, delta, token, (first - start) * 1e3 if len(token_ids) == 1 else None)
-                if stopped:
-                    finish = "stop"
-                    break
-                if len(token_ids) >= max_new:
-                    break
+                yield from events
                 with self._lock:
-                    logits = self.decode_step(token, seq)
+                    logits = self.decode_step(request.output_ids[-1], seq)
         finally:
             with self._lock:
                 seq.release()
                 self._single_running -= 1
-        timings = Timings.measure(start, first, time.perf_counter(), len(prompt_ids), len(token_ids))
-        yield StreamEvent(len(token_ids), text.flush(), finish_reason=finish, timings=timings)
+        yield from events  # the last ones after the memory is back
 
     def _iter_speculative(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         """A drafter proposes, the target verifies K+1 positions per forward (engine/speculative.py)."""
@@ -344,6 +338,7 @@ class InferenceEngine:
         loop; none: one after another (the recompute baseline batches nothing).
         """
         params = self.sampling_params(max_new_tokens=max_new_tokens, **sampling)
+        self.check_supported(params, loop=self.config.cache_mode == "paged")
         prompt_ids = [self.encode_prompt(p) for p in prompts]
         for ids in prompt_ids:
             self.check_prompt(ids)
@@ -426,6 +421,7 @@ class InferenceEngine:
         event loop. With cache=none requests run one at a time, recomputed (the baseline); with spec on,
         one at a time, drafted and verified.
         """
+        self.check_supported(request.params, loop=self.speculation is None)
         if self.scheduler is None or self.speculation is not None:
             return self.stream_generate(request)
         prompt_ids = self.encode_prompt(request.prompt, request.chat, request.messages)
@@ -454,9 +450,11 @@ class InferenceEngine:
     def _new_request(self, prompt_ids: list[int], params: SamplingParams,
                      emit: Callable[[StreamEvent | BaseException], None], max_new: int | None = None,
                      priority: int = 0) -> Request:
-        max_new = max_new or min(params.max_new_tokens, self.config.max_seq_len - len(prompt_ids))
+        if max_new is None:
+            max_new = min(params.max_new_tokens, self.config.max_seq_len - len(prompt_ids))
+        stop_ids = (set() if params.ignore_eos else set(self.tokenizer.eos_ids)) | set(params.stop_token_ids)
         return Request(next(self._request_ids), list(prompt_ids), params, max_new, TextStream(self.tokenizer, params.stop),
-                       self.tokenizer.eos_ids, emit, params.make_generator(self.config.device), priority)
+                       stop_ids, emit, params.make_generator(self.config.device), priority)
 
     def _enqueue(self, request: Request, bounded: bool = True) -> None:
         if self.failure is None:
@@ -547,16 +545,22 @@ class InferenceEngine:
             self.fault_hook("forward", requests)
         starts = [r.kv.num_computed for r in requests]
         tokens = [r.token_ids[s:s + n] for r, s in zip(requests, starts)]
-        return forward_paged(self.model, self.paged, tokens, starts, [r.kv.blocks for r in requests], self.fused)
+        # a prompt whose log-probabilities are wanted gets every position's logits: (B, n, vocab)
+        every = any(r.wants_prompt_logprobs and s < len(r.prompt_ids) for r, s in zip(requests, starts))
+        return forward_paged(self.model, self.paged, tokens, starts, [r.kv.blocks for r in requests], self.fused,
+                             every_position=every)
 
     def _sample(self, request: Request, row: Tensor, n: int) -> list[StreamEvent]:
         """Record the `n` computed tokens; the events of the next token once the prompt is all in."""
+        if row.dim() == 2:  # every position's logits (n, vocab)
+            request.record_prompt_logits(request.kv.num_computed, row)
+            row = row[-1]
         self.blocks.advance(request.kv, request.token_ids, n)
         if request.num_uncomputed:
             return []  # a prompt chunk: its next token comes after the last chunk
         if self.fault_hook is not None:
             self.fault_hook("sample", [request])
-        return request.accept(sample(row, request.params, request.generator))
+        return request.sample(row)
 
     def _fail(self, request: Request, stage: str, error: Exception) -> None:
         log.error("request %d failed in its %s; the others continue", request.request_id, stage, exc_info=error)

@@ -113,8 +113,10 @@ class PagedAttend:
 
 
 def forward_paged(model: Transformer, cache: PagedKVCache, new_tokens: list[list[int]], starts: list[int],
-                  block_tables: list[list[int]], fused: FusedDecode | None = None) -> Tensor:
-    """Run B sequences that each feed the same number T of new tokens; return each one's last logits (B, vocab).
+                  block_tables: list[list[int]], fused: FusedDecode | None = None,
+                  every_position: bool = False) -> Tensor:
+    """Run B sequences that each feed the same number T of new tokens; return each one's last logits (B, vocab),
+    or with `every_position` every new position's (B, T, vocab) (prompt log-probabilities).
 
     A decode step (T = 1) of few enough sequences runs as one `fused` call where the engine built one.
     """
@@ -124,7 +126,9 @@ def forward_paged(model: Transformer, cache: PagedKVCache, new_tokens: list[list
     start = torch.tensor(starts, device=device)
     tokens = torch.tensor(new_tokens, device=device)  # (B, T)
     if fused is not None and tokens.shape[1] == 1 and fused.covers(tokens.shape[0]):
-        return fused(tokens[:, 0], cache.k, cache.v, tables, start)
+        logits = fused(tokens[:, 0], cache.k, cache.v, tables, start)
+        return logits[:, None] if every_position else logits
     positions = start[:, None] + torch.arange(tokens.shape[1], device=device)
     attend = PagedAttend(cache, tables, start, tokens.shape[1])
-    return model(tokens, positions, attend, last_only=True)[:, -1]
+    logits = model(tokens, positions, attend, last_only=not every_position)
+    return logits if every_position else logits[:, -1]

@@ -1,4 +1,8 @@
-"""Turning logits into the next token: greedy, temperature, top-k, top-p, seeded per request."""
+"""Turning logits into the next token: greedy, temperature, top-k, top-p, seeded per request.
+
+`SamplingParams` also carries what reads a request's token history (penalties, logit bias, min_tokens;
+engine/logits.py applies them) and what the request reports back (log-probabilities).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,6 +11,8 @@ import torch
 from torch import Tensor
 
 from inferlab.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's limit)
 
 
 @dataclass
@@ -17,10 +23,34 @@ class SamplingParams:
     top_k: int = 0  # 0 = no limit
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # end the request like EOS does
+    ignore_eos: bool = False  # EOS is an ordinary token: generate max_new_tokens
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
+    presence_penalty: float = 0.0  # minus this once for every token already generated
+    frequency_penalty: float = 0.0  # minus this times how often a token was generated
+    repetition_penalty: float = 1.0  # a token of the prompt or output: logit / p if > 0, else logit * p
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
+    logprobs: int | None = None  # report each generated token's log-probability and this many top ones
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (computed in the prefill)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        least = 0 if self.prompt_logprobs is not None else 1  # prompt log-probabilities alone generate nothing
+        if self.max_new_tokens < least:
+            raise InvalidRequestError(f"max_new_tokens must be >= {least}, got {self.max_new_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]")
+        if self.min_tokens < 0 or self.min_tokens > self.max_new_tokens:
+            raise InvalidRequestError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                                      f"got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if not 0.0 <= self.temperature <= 2.0:
             raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -34,6 +64,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def history_fields(self) -> list[str]:
+        """The fields set to something that reads the request's token history or reports log-probabilities."""
+        defaults = {"min_tokens": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                    "logit_bias": {}, "logprobs": None, "prompt_logprobs": None}
+        return [name for name, default in defaults.items() if getattr(self, name) != default]
 
     def make_generator(self, device: torch.device) -> torch.Generator | None:
         if self.greedy:

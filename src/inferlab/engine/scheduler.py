@@ -74,7 +74,8 @@ class Scheduler:
                 if not self.blocks.can_allocate(request.num_tokens + 1):
                     break  # first come, first served: no overtaking the head of the queue
                 self.waiting.pop(0)
-                self.blocks.allocate(request.kv, request.token_ids, request.num_tokens + 1)
+                self.blocks.allocate(request.kv, request.token_ids, request.num_tokens + 1,
+                                     reuse=not request.wants_prompt_logprobs)
                 request.status = Status.RUNNING
                 self.running.append(request)
                 n = min(request.num_uncomputed, budget)

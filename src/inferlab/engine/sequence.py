@@ -1,7 +1,8 @@
 """One request's state inside the scheduler (vLLM's `Sequence`), and the events it streams out.
 
 The scheduler moves a `Request` between waiting and running; the engine loop feeds its uncomputed
-tokens, samples, and calls `accept`, which turns a token into the events the client sees.
+tokens and hands the logits to `sample` (the request's own sampling state: params, generator, token
+history), whose `accept` turns a token into the events the client sees.
 """
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch import Tensor
 
 from inferlab.engine.block_manager import BlockTable
-from inferlab.engine.sampling import SamplingParams
+from inferlab.engine.logits import TokenLogprob, log_probs, process_logits, token_logprob
+from inferlab.engine.sampling import SamplingParams, sample
 from inferlab.engine.stop import TextStream
 
 
@@ -43,6 +46,8 @@ class StreamEvent:
     ttft_ms: float | None = None  # on the first token only
     finish_reason: str | None = None
     timings: Timings | None = None
+    logprob: TokenLogprob | None = None  # the token's, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the request's first event, when asked (echo)
 
 
 class Status(enum.Enum):
@@ -58,7 +63,7 @@ class Request:
     params: SamplingParams
     max_new_tokens: int  # the params' value, capped by the context
     text: TextStream
-    eos_ids: set[int]
+    eos_ids: set[int]  # the tokens that end it: EOS (unless ignore_eos) and stop_token_ids
     emit: Callable[[StreamEvent | BaseException], None]  # called on the engine loop's thread
     generator: torch.Generator | None = None
     priority: int = 0  # lower runs sooner
@@ -70,6 +75,12 @@ class Request:
     finish_reason: str | None = None
     first_token_time: float | None = None
     preemptions: int = 0
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # filled by the prefill
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The prefill must return every position's logits (and must not skip cached prefix blocks)."""
+        return self.params.prompt_logprobs is not None
 
     @property
     def token_ids(self) -> list[int]:
@@ -88,23 +99,51 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def accept(self, token: int) -> list[StreamEvent]:
+    def record_prompt_logits(self, start: int, logits: Tensor) -> None:
+        """(T, vocab) logits of positions start.. -> the log-probabilities of the prompt tokens they predict.
+
+        Positions already recorded (a prefill recomputed after a preemption) are kept as they are.
+        """
+        for i in range(logits.shape[0]):
+            target = start + i + 1
+            if target == len(self.prompt_logprobs) and target < len(self.prompt_ids):
+                entry = token_logprob(log_probs(logits[i]), self.prompt_ids[target], self.params.prompt_logprobs)
+                self.prompt_logprobs.append(entry)
+
+    def sample(self, logits: Tensor) -> list[StreamEvent]:
+        """The next token from the last position's (vocab,) logits, through this request's own history and
+        generator, accepted; a request that generates nothing (max_new_tokens=0, echo only) just closes."""
+        if self.max_new_tokens == 0:
+            return [self._close("length")]
+        processed = process_logits(logits, self.params, self.prompt_ids, self.output_ids, self.eos_ids)
+        token = sample(processed, self.params, self.generator)
+        top = self.params.logprobs
+        return self.accept(token, token_logprob(log_probs(logits), token, top) if top is not None else None)
+
+    def accept(self, token: int, logprob: TokenLogprob | None = None) -> list[StreamEvent]:
         """A sampled token -> the events to stream: the token's, and the closing one when it ends the request."""
         now = time.perf_counter()
-        if not self.output_ids:
+        first = not self.output_ids
+        if first:
             self.first_token_time = now
         if token in self.eos_ids:
             return [self._close("stop")]
         self.output_ids.append(token)
         delta, stopped = self.text.push(token)
         n = len(self.output_ids)
-        events = [StreamEvent(n - 1, delta, token, (now - self.start) * 1e3 if n == 1 else None)]
+        events = [StreamEvent(n - 1, delta, token, (now - self.start) * 1e3 if n == 1 else None, logprob=logprob,
+                              prompt_logprobs=self._prompt_logprobs() if first else None)]
         if stopped or n >= self.max_new_tokens:
             events.append(self._close("stop" if stopped else "length"))
         return events
 
     def _close(self, reason: str) -> StreamEvent:
         self.finish_reason = reason
-        timings = Timings.measure(self.start, self.first_token_time, time.perf_counter(), len(self.prompt_ids),
-                                  len(self.output_ids))
-        return StreamEvent(len(self.output_ids), self.text.flush(), finish_reason=reason, timings=timings)
+        end = time.perf_counter()
+        first = self.first_token_time or end
+        timings = Timings.measure(self.start, first, end, len(self.prompt_ids), len(self.output_ids))
+        return StreamEvent(len(self.output_ids), self.text.flush(), finish_reason=reason, timings=timings,
+                           prompt_logprobs=None if self.output_ids else self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        return self.prompt_logprobs if self.wants_prompt_logprobs else None
