@@ -82,7 +82,7 @@ def sse_payloads(text: str) -> list:
 def assert_envelope(response, status: int, code: str) -> None:
     assert response.status_code == status, response.text
     body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "type", "param"}
     assert body["error"]["code"] == code
     message = body["error"]["message"]
     assert message and "\n" not in message and "Traceback" not in message and ".py" not in message
@@ -185,7 +185,7 @@ def test_tiny_temperature_samples_like_greedy(engine):
     ("/v1/generate/stream", {"prompt": PROMPT, "max_new_tokens": 99999}),
     ("/v1/completions", {"prompt": "", "max_tokens": 4}),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 99999}),
-    ("/v1/completions", {"prompt": PROMPT, "n": 2}),
+    ("/v1/completions", {"prompt": PROMPT, "n": 17}),
     ("/v1/chat/completions", {"messages": []}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 4097}]}),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}),

@@ -1,5 +1,5 @@
 """schemathesis fuzzes the server's own OpenAPI schema (in-process, tiny engine, bounded examples):
-no 5xx, and every error in the envelope {"error": {"code", "message"}} with no trace or file path."""
+no 5xx, and every error in the envelope {"error": {"code", "message", "type", "param"}} with no trace or file path."""
 from __future__ import annotations
 
 import schemathesis
@@ -29,7 +29,7 @@ def test_fuzz_no_5xx_and_errors_in_the_envelope(tiny_tokenizer):
             assert response.status_code < 500, f"{operation.label} {mode.value}: {response.text}"
             if response.status_code >= 400:
                 error = response.json()["error"]
-                assert set(error) == {"code", "message"} and error["code"] and error["message"]
+                assert set(error) == {"code", "message", "type", "param"} and error["code"] and error["message"]
                 assert "Traceback" not in response.text and ".py" not in response.text
 
         check()

@@ -4,6 +4,10 @@
 class InferlabError(Exception):
     code = "internal_error"
 
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the request field at fault, when there is one (the HTTP envelope's `param`)
+
 
 class ModelLoadError(InferlabError):
     code = "model_load_error"
@@ -60,6 +64,10 @@ class RateLimitedError(InferlabError):
 
 class RequestTimeoutError(InferlabError):
     code = "timeout"
+
+
+class NotFoundError(InferlabError):
+    code = "not_found"
 
 
 class PayloadTooLargeError(InferlabError):

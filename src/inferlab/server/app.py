@@ -12,8 +12,8 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from inferlab.engine.engine import InferenceEngine, StreamEvent
-from inferlab.errors import ShuttingDownError
-from inferlab.server import openai
+from inferlab.errors import NotFoundError, ShuttingDownError
+from inferlab.server import openai, tokenize
 from inferlab.server.guards import BodySizeLimit, Gate, Guards, install_error_handlers
 from inferlab.server.metrics import RequestLog, ServerMetrics
 from inferlab.server.schemas import ErrorEnvelope, GenerateRequest, GenerateResponse, Usage
@@ -21,6 +21,7 @@ from inferlab.server.settings import ServerSettings
 from inferlab.server.streams import Dispatcher, EventStreamResponse
 
 ERRORS = {status: {"model": ErrorEnvelope} for status in (401, 413, 422, 429, 503, 504)}
+ERRORS_404 = {**ERRORS, 404: {"model": ErrorEnvelope}}
 
 
 def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: str) -> FastAPI:
@@ -49,9 +50,19 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
     def json_metrics() -> dict[str, Any]:
         return metrics.snapshot()
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "inferlab", "root": model_name,
+            "max_model_len": engine.config.max_seq_len}
+
     @app.get("/v1/models", responses=ERRORS)
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "inferlab"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}", responses=ERRORS_404)
+    def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise NotFoundError(f"model {model_id!r} is not served here; this server serves {model_name!r}",
+                                param="model")
+        return card
 
     @app.post("/v1/generate", responses=ERRORS)
     async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
@@ -73,6 +84,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
         return EventStreamResponse(job.sse(native_chunks))
 
     app.include_router(openai.router(dispatcher, model_name, ERRORS))
+    app.include_router(tokenize.router(engine, ERRORS))
     return app
 
 

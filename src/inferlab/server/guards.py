@@ -1,7 +1,8 @@
 """What refuses a request before it reaches the engine, and the one shape every refusal takes.
 
-Every error leaves as `{"error": {"code", "message"}}` with a status from `STATUS`; a bug leaves as a
-500 `internal_error` whose trace is logged server-side only.
+Every error leaves as `{"error": {"code", "message", "type", "param"}}` (OpenAI's `type` from `TYPES`,
+`param` the request field at fault or null) with a status from `STATUS`; a bug leaves as a 500
+`internal_error` whose trace is logged server-side only.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from inferlab.errors import (InferlabError, PayloadTooLargeError, RateLimitedError, ShuttingDownError,
                              UnauthorizedError)
 from inferlab.server.settings import ServerSettings
-from inferlab.server.validation import describe
+from inferlab.server.validation import describe, param
 
 log = logging.getLogger("inferlab.server")
 
@@ -33,6 +34,7 @@ STATUS = {  # InferlabError.code -> HTTP status
     "invalid_request": 422,
     "unauthorized": 401,
     "payload_too_large": 413,
+    "not_found": 404,
     "rate_limited": 429,
     "overloaded": 503,  # the KV pool and the wait queue are full
     "capacity_exceeded": 503,  # the slot pool is full (single-request engine)
@@ -43,8 +45,18 @@ STATUS = {  # InferlabError.code -> HTTP status
 }
 
 
-def envelope(code: str, message: str) -> dict[str, Any]:
-    return {"error": {"code": code, "message": message}}
+TYPES = {  # InferlabError.code -> OpenAI's error type; any other code is a server_error
+    "invalid_request": "invalid_request_error",
+    "payload_too_large": "invalid_request_error",
+    "not_found": "invalid_request_error",
+    "method_not_allowed": "invalid_request_error",
+    "unauthorized": "authentication_error",
+    "rate_limited": "rate_limit_error",
+}
+
+
+def envelope(code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "type": TYPES.get(code, "server_error"), "param": param}}
 
 
 def error_response(error: InferlabError) -> JSONResponse:
@@ -53,7 +65,7 @@ def error_response(error: InferlabError) -> JSONResponse:
         headers = {"Retry-After": str(error.retry_after_s)}
     elif isinstance(error, UnauthorizedError):
         headers = {"WWW-Authenticate": "Bearer"}
-    return JSONResponse(envelope(error.code, _one_line(error)), STATUS.get(error.code, 500), headers=headers)
+    return JSONResponse(envelope(error.code, _one_line(error), error.param), STATUS.get(error.code, 500), headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -63,7 +75,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
-        return JSONResponse(envelope("invalid_request", describe(error.errors())), 422)
+        errors = error.errors()
+        return JSONResponse(envelope("invalid_request", describe(errors), param(errors)), 422)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:

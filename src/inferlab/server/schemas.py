@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from inferlab.engine.sampling import MAX_LOGPROBS
+
 
 def _utf8(text: str) -> str:
     """JSON may carry lone surrogates ("\\ud800"); the tokenizer cannot, so refuse them here."""
@@ -73,56 +75,143 @@ class GenerateResponse(BaseModel):
 class ErrorBody(BaseModel):
     code: str
     message: str
+    type: str = Field(description="OpenAI's error type: invalid_request_error, authentication_error, ...")
+    param: str | None = Field(default=None, description="the request field at fault, when one is")
 
 
 class ErrorEnvelope(BaseModel):
     error: ErrorBody
 
 
-# ---- OpenAI-compatible API (unknown fields are ignored so existing clients and load tools work) -----
+# ---- OpenAI-compatible API ------------------------------------------------------------------------
+# Unknown fields that change nothing (user, metadata, ...) are ignored so existing clients and load tools
+# work; fields that would change the answer and are not implemented are refused by name (`Unsupported`).
+
+def _refuse(value: Any) -> Any:
+    if value is not None:
+        raise ValueError("not supported by this server")
+    return value
+
+
+Unsupported = Annotated[Any, AfterValidator(_refuse), Field(description="not supported: refused when set")]
+Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+TopLogprobs = Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)]
+CompletionMaxTokens = Annotated[int | None, Field(ge=0)]  # 0: echo only; at most server.max_new_tokens_cap
+MAX_CHOICES = 16  # prompts x n engine requests one call may start
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
+    if bias and any(not k.isdigit() for k in bias):
+        raise ValueError("keys must be token ids")
+    return bias
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
 class OpenAIRequest(Sampling):
+    """What both OpenAI routes share, vLLM's extensions included (min_tokens, ignore_eos, stop_token_ids,
+    repetition_penalty, top_k)."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per prompt")
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    repetition_penalty: Annotated[float | None, Field(gt=0.0, le=2.0)] = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]] | None,
+                          AfterValidator(_logit_bias)] = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
+    tools: Unsupported = None
+    tool_choice: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    best_of: Unsupported = None
+    guided_json: Unsupported = None
+    guided_regex: Unsupported = None
+    guided_choice: Unsupported = None
+    guided_grammar: Unsupported = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def sampling_overrides(self) -> dict[str, Any]:
+        return {**super().sampling_overrides(), "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
+                "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
+                "stop_token_ids": self.stop_token_ids or []}
+
 
 class CompletionRequest(OpenAIRequest):
-    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=1)]
-    max_tokens: MaxTokens = None
+    prompt: Prompt | TokenIds | Annotated[list[Prompt], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    max_tokens: CompletionMaxTokens = None
+    echo: bool = Field(default=False, description="the prompt's text (and logprobs) before the completion")
+    logprobs: TopLogprobs = Field(default=None, description="log-probabilities of each token and this many top ones")
+    suffix: Unsupported = None
 
     @property
-    def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt (text or token ids) per entry."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: Text
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: Text
+    content: Text | Annotated[list[TextPart], Field(min_length=1)]
+
+    def as_template_input(self) -> dict[str, str]:
+        """The message as chat templates read it: the text parts joined into one string."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text"] = Field(description="only plain text: JSON modes and schemas are not supported")
 
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=256)]
     max_tokens: MaxTokens = None
     max_completion_tokens: MaxTokens = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs = None
+    response_format: ResponseFormat | None = None
+    parallel_tool_calls: Unsupported = None
+    audio: Unsupported = None
+    prediction: Unsupported = None
+
+
+class LogprobsBlock(BaseModel):
+    """Completions' logprobs: one entry per token (the prompt's first has no logprob: null)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: LogprobsBlock | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -139,10 +228,25 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):

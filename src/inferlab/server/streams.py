@@ -4,7 +4,8 @@
 `Job.start` submits and waits for the first event under the deadline, so every refusal the engine makes
 (overloaded, timeout) is still an HTTP status; after that the job is a stream whose errors become an SSE
 error event. Closing a job (client gone, deadline, shutdown) closes the engine's iterator, which cancels
-the request and frees its KV.
+the request and frees its KV. One HTTP request may run several jobs (a batch of prompts, `n` choices):
+`Jobs` starts them together and merges their events, each tagged with its choice index.
 """
 from __future__ import annotations
 
@@ -38,19 +39,32 @@ class Dispatcher:
     settings: ServerSettings
 
     async def start(self, record: RequestRecord, sampling: dict[str, Any], max_new_tokens: int | None,
-                    prompt: str = "", chat: bool = False, messages: list[dict[str, str]] | None = None,
+                    prompt: str | list[int] = "", chat: bool = False, messages: list[dict[str, str]] | None = None,
                     tokens_field: str = "max_new_tokens") -> "Job":
         prompt_ids, params = self.prepare(record, sampling, max_new_tokens, prompt, chat, messages, tokens_field)
         return await Job.start(self.engine, prompt_ids, params, record, self.settings.timeout_s)
 
-    def prepare(self, record: RequestRecord, sampling: dict[str, Any], max_new_tokens: int | None, prompt: str,
-                chat: bool, messages: list[dict[str, str]] | None,
+    async def start_all(self, record: RequestRecord, prepared: list[tuple[list[int], SamplingParams]]) -> "Jobs":
+        """Submit every prepared request at once (their prefills batch); if any is refused, close the rest."""
+        timeout = self.settings.timeout_s
+        started = await asyncio.gather(*(Job.start(self.engine, ids, params, record, timeout) for ids, params in prepared),
+                                       return_exceptions=True)
+        failed = [e for e in started if isinstance(e, BaseException)]
+        if failed:
+            for job in started:
+                if isinstance(job, Job):
+                    await _close(job.events)
+            raise failed[0]
+        return Jobs(started, record)
+
+    def prepare(self, record: RequestRecord, sampling: dict[str, Any], max_new_tokens: int | None,
+                prompt: str | list[int], chat: bool = False, messages: list[dict[str, str]] | None = None,
                 tokens_field: str = "max_new_tokens") -> tuple[list[int], SamplingParams]:
         """Prompt token ids and sampling parameters, or InvalidRequestError (422) before any tensor work.
 
         `tokens_field` is what the route calls `max_new_tokens`, for the message."""
         settings, engine = self.settings, self.engine
-        chars = len(prompt) + sum(len(m["content"]) for m in messages or ())
+        chars = (len(prompt) if isinstance(prompt, str) else 0) + sum(len(m["content"]) for m in messages or ())
         if chars > settings.max_prompt_chars:
             raise InvalidRequestError(f"prompt: {chars} characters, more than this server's {settings.max_prompt_chars}")
         cap = settings.max_new_tokens_cap
@@ -63,7 +77,7 @@ class Dispatcher:
         except ValueError as e:  # the chat template refused the messages
             raise InvalidRequestError(str(e).splitlines()[0]) from None
         engine.check_prompt(prompt_ids)
-        record.prompt_tokens = len(prompt_ids)
+        record.prompt_tokens += len(prompt_ids)
         return prompt_ids, params
 
 
@@ -115,14 +129,73 @@ class Job:
 
     async def sse(self, render: Callable[[StreamEvent], Iterable[dict[str, Any]]]) -> AsyncIterator[bytes]:
         """`data: {...}` per rendered payload, an error event if the stream breaks, then `data: [DONE]`."""
-        try:
-            async with aclosing(self._events()) as events:
+        async for chunk in Jobs([self], self.record).sse(lambda index, event: render(event)):
+            yield chunk
+
+
+@dataclasses.dataclass
+class Jobs:
+    """The jobs of one HTTP request; job i is choice i."""
+
+    jobs: list[Job]
+    record: RequestRecord
+
+    async def events(self) -> AsyncIterator[tuple[int, StreamEvent]]:
+        """Every job's events as they come, tagged with the job's index; ends when every job has closed."""
+        if len(self.jobs) == 1:
+            async with aclosing(self.jobs[0]._events()) as events:
                 async for event in events:
-                    for payload in render(event):
+                    yield 0, event
+            return
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, job: Job) -> None:
+            try:
+                async with aclosing(job._events()) as events:
+                    async for event in events:
+                        inbox.put_nowait((index, event))
+            except Exception as e:  # handed to the consumer, who re-raises it
+                inbox.put_nowait((index, e))
+
+        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(self.jobs)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await inbox.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield index, item
+                remaining -= item.finish_reason is not None
+        finally:
+            for task in tasks:
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self) -> list[tuple[list[StreamEvent], StreamEvent]]:
+        """Per job, in order: its token events and its closing event (non-streaming routes)."""
+        tokens: list[list[StreamEvent]] = [[] for _ in self.jobs]
+        closing: list[StreamEvent | None] = [None] * len(self.jobs)
+        async with aclosing(self.events()) as events:
+            async for index, event in events:
+                if event.finish_reason is None:
+                    tokens[index].append(event)
+                else:
+                    closing[index] = event
+        if any(c is None for c in closing):
+            raise RuntimeError("the engine ended a request without a closing event")
+        return list(zip(tokens, closing))
+
+    async def sse(self, render: Callable[[int, StreamEvent], Iterable[dict[str, Any]]]) -> AsyncIterator[bytes]:
+        """`data: {...}` per rendered payload, an error event if the stream breaks, then `data: [DONE]`."""
+        try:
+            async with aclosing(self.events()) as events:
+                async for index, event in events:
+                    for payload in render(index, event):
                         yield sse_data(payload)
         except InferlabError as e:
             self.record.error = e.code
-            yield sse_data(envelope(e.code, str(e)))
+            yield sse_data(envelope(e.code, str(e), e.param))
         except asyncio.CancelledError:  # the client went away (or shutdown's grace ran out)
             self.record.error = "cancelled"
             raise

@@ -33,6 +33,12 @@ def describe(errors: Iterable[dict[str, Any]]) -> str:
     return "; ".join(problems) or "invalid request"
 
 
+def param(errors: list[dict[str, Any]]) -> str | None:
+    """The top-level request field of the first problem (OpenAI's `param`); None for the body as a whole."""
+    path = field_path(errors[0]["loc"]) if errors else "body"
+    return None if path == "body" else re.split(r"[.\[]", path, maxsplit=1)[0]
+
+
 def field_path(loc: Iterable[Any]) -> str:
     """('body', 'messages', 0, 'content', 'str') -> 'messages[0].content'; the whole body -> 'body'."""
     path = ""
