@@ -189,6 +189,19 @@ def test_echo_logprobs_are_the_models_log_softmax_of_the_prompt(engine, client, 
     assert short.logprobs.token_logprobs[1:] == pytest.approx(expected[:2], abs=1e-4)
 
 
+def test_a_stop_token_ends_the_logprobs_as_lm_eval_reads_them(engine, client):
+    """lm-eval sends echo, max_tokens=1, logprobs=1 and drops the last entry as the generated token's: a
+    generated EOS must therefore be listed too (its logprob the model's own, before the bias)."""
+    ids = ids_of(engine, PROMPT)
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=1,
+                                    logit_bias={str(eos_id(engine)): 100})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and choice.text == PROMPT and out.usage.completion_tokens == 0
+    logprobs = torch.log_softmax(full_logits(engine, ids), dim=-1)
+    expected = [float(logprobs[i - 1, ids[i]]) for i in range(1, len(ids))] + [float(logprobs[-1, eos_id(engine)])]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+
+
 def test_generated_logprobs_on_both_routes(engine, client):
     prompt_ids = ids_of(engine, PROMPT)
     out = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=4, echo=True, logprobs=1)

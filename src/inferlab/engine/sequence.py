@@ -46,7 +46,7 @@ class StreamEvent:
     ttft_ms: float | None = None  # on the first token only
     finish_reason: str | None = None
     timings: Timings | None = None
-    logprob: TokenLogprob | None = None  # the token's, when the request asked for logprobs
+    logprob: TokenLogprob | None = None  # the token's (closing: the stop token's), when logprobs were asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the request's first event, when asked (echo)
 
 
@@ -127,7 +127,7 @@ class Request:
         if first:
             self.first_token_time = now
         if token in self.eos_ids:
-            return [self._close("stop")]
+            return [self._close("stop", logprob)]
         self.output_ids.append(token)
         delta, stopped = self.text.push(token)
         n = len(self.output_ids)
@@ -137,13 +137,15 @@ class Request:
             events.append(self._close("stop" if stopped else "length"))
         return events
 
-    def _close(self, reason: str) -> StreamEvent:
+    def _close(self, reason: str, logprob: TokenLogprob | None = None) -> StreamEvent:
+        """The closing event; `logprob` is the stop token's (EOS or a stop_token_id), which is not part of the
+        text but is of the logprobs (as vLLM lists it; lm-eval's echo scoring counts on it)."""
         self.finish_reason = reason
         end = time.perf_counter()
         first = self.first_token_time or end
         timings = Timings.measure(self.start, first, end, len(self.prompt_ids), len(self.output_ids))
         return StreamEvent(len(self.output_ids), self.text.flush(), finish_reason=reason, timings=timings,
-                           prompt_logprobs=None if self.output_ids else self._prompt_logprobs())
+                           logprob=logprob, prompt_logprobs=None if self.output_ids else self._prompt_logprobs())
 
     def _prompt_logprobs(self) -> list[TokenLogprob | None] | None:
         return self.prompt_logprobs if self.wants_prompt_logprobs else None

@@ -52,7 +52,7 @@ def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> A
             text = echo.text if echo else ""
             if echo:
                 chunks.extend_block(block, echo.prompt_entries(tokens[0] if tokens else last), 0, echo.ids)
-            chunks.extend_block(block, [e.logprob for e in tokens if e.logprob], len(text))
+            chunks.extend_block(block, [e.logprob for e in [*tokens, last] if e.logprob], len(text))
             text += "".join(e.text for e in tokens) + last.text
             choices.append(CompletionChoice(index=index, text=text, finish_reason=last.finish_reason,
                                             logprobs=block if body.logprobs is not None else None))
@@ -79,7 +79,7 @@ def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> A
         choices, closing = [], []
         for index, (tokens, last) in enumerate(await jobs.collect()):
             text = "".join(e.text for e in tokens) + last.text
-            logprobs = ChatLogprobs(content=[chunks.chat_entry(e.logprob) for e in tokens if e.logprob]) \
+            logprobs = ChatLogprobs(content=[chunks.chat_entry(e.logprob) for e in [*tokens, last] if e.logprob]) \
                 if body.logprobs else None
             choices.append(ChatChoice(index=index, message=AssistantMessage(content=text),
                                       finish_reason=last.finish_reason, logprobs=logprobs))
