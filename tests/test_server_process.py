@@ -28,7 +28,7 @@ PROMPT = "Once upon a time"
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     overrides = ["model=tiny-random", f"server.api_keys=[{MAIN},{BURST},{SOAK}]", "server.rate_limit=60/minute",
-                 "server.max_new_tokens_cap=1024", "server.shutdown_grace_s=20"]
+                 "server.max_new_tokens_cap=1024", "server.shutdown_grace_s=20", "server.log_format=json"]
     process = ServerProcess([sys.executable, "-m", "inferlab.serve"], overrides, "127.0.0.1", 180, log)
     with process:
         yield process
@@ -107,16 +107,18 @@ def test_openai_client_streams_chat_and_completion(server):
 
 
 def test_client_disconnect_after_3_tokens_frees_the_request(server):
+    request_id = "disconnect-3"  # the caller's X-Request-ID is the request's id, in the header and the log
     with httpx.stream("POST", f"{server.url}/v1/generate/stream", json={"prompt": PROMPT, "max_new_tokens": 1000},
-                      headers=auth(), timeout=60) as r:
-        request_id = r.headers["x-request-id"]
+                      headers={**auth(), "X-Request-ID": request_id}, timeout=60) as r:
+        assert r.headers["x-request-id"] == request_id
         lines = r.iter_lines()
         assert [next(line for line in lines if line.startswith("data: ")) for _ in range(3)]
     stats = wait_idle(server.url)  # one decode step frees it; the 1000 tokens would take far longer
     assert stats["requests_running"] == 0 and stats["kv_blocks_used"] == 0
     time.sleep(0.2)  # the log line is written when the response task ends
-    line = next(line for line in server.log_path.read_text().splitlines() if f"request {request_id}" in line)
-    assert "error=cancelled" in line and "completion_tokens=1000" not in line
+    lines = [json.loads(line) for line in server.log_path.read_text().splitlines() if line.startswith("{")]
+    line = next(line for line in lines if line.get("request_id") == request_id)  # server.log_format=json
+    assert line["error"] == "cancelled" and line["completion_tokens"] < 1000 and line["path"] == "/v1/generate/stream"
 
 
 def test_soak_every_request_answered_no_leak(server):

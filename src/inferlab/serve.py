@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 
 import uvicorn
 from fastapi import FastAPI
@@ -12,6 +11,7 @@ from inferlab.api import engine_from_config
 from inferlab.cli import hydra_app
 from inferlab.server import ServerSettings, create_app
 from inferlab.server.guards import Guards
+from inferlab.server.logs import configure_logging
 
 log = logging.getLogger("inferlab.server")
 
@@ -32,16 +32,16 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(app: FastAPI, settings: ServerSettings) -> None:
+    # log_config=None: uvicorn's own lines go through the root handler, in server.log_format too
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=False, timeout_graceful_shutdown=settings.shutdown_grace_s)
+                            log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_grace_s)
     GracefulServer(config, app.state.guards).run()
 
 
 @hydra_app("serve")
 def main(cfg: DictConfig) -> None:
     settings = ServerSettings.from_config(cfg.server)
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
     engine = engine_from_config(cfg)
     log.info("model %s (%s, %s, cache=%s) on %s", cfg.model.name, engine.loaded.source, cfg.precision.name,
              cfg.cache.mode, engine.config.device)

@@ -7,6 +7,7 @@ token ready to send; TPOT = (E2E - TTFT) / (completion_tokens - 1).
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections import deque
@@ -76,9 +77,14 @@ class ServerMetrics:
             for name, value in (("ttft", ttft), ("tpot", tpot), ("e2e", total_ms)):
                 self.recent[f"{name}_ms"].append(value)
                 self.latency[name].observe(value / 1e3)
+        fields = {"request_id": record.id, "method": record.method, "path": record.path, "status": status,
+                  "prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
+                  "ttft_ms": round(ttft, 1) if ttft is not None else None, "total_ms": round(total_ms, 1),
+                  "error": record.error}
         log.info("request %s %s %s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f%s",
                  record.id, record.method, record.path, status, record.prompt_tokens, record.completion_tokens,
-                 f"{ttft:.1f}" if ttft is not None else "-", total_ms, f" error={record.error}" if record.error else "")
+                 f"{ttft:.1f}" if ttft is not None else "-", total_ms, f" error={record.error}" if record.error else "",
+                 extra={"request": fields})
 
     def snapshot(self) -> dict[str, Any]:
         """/v1/metrics: the engine's counters, latency percentiles over recent requests, server memory."""
@@ -105,9 +111,13 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"inferlab_{name}", name.replace("_", " "), value=value)
 
 
+REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")  # an incoming X-Request-ID we keep as the request's id
+
+
 class RequestLog:
-    """ASGI middleware: a RequestRecord in `request.state.record`, an `x-request-id` header, and one log
-    line (plus metrics) when the response has ended, streamed or not."""
+    """ASGI middleware: a RequestRecord in `request.state.record`, an `x-request-id` header (the caller's
+    own when it sent a well-formed one), and one log line (plus metrics) when the response has ended,
+    streamed or not."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app, self.metrics = app, metrics
@@ -116,6 +126,9 @@ class RequestLog:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         record = RequestRecord(scope["method"], scope["path"])
+        given = dict(scope["headers"]).get(b"x-request-id", b"")
+        if REQUEST_ID.fullmatch(given):  # the caller's id (a proxy's, a tracing client's) is kept
+            record.id = given.decode()
         scope.setdefault("state", {})["record"] = record
         status = 500  # what the client gets if the app raises before starting a response
 

@@ -8,6 +8,7 @@ from limits import parse
 
 from inferlab.errors import InvalidRequestError
 
+LOG_FORMATS = ("text", "json")
 MAX_NEW_TOKENS_CEILING = 1024  # DESIGN.md: the cap is configurable but never above this
 
 
@@ -24,11 +25,14 @@ class ServerSettings:
     shutdown_grace_s: float
     metrics_window: int
     log_level: str
+    log_format: str  # "text" | "json" (one JSON object per line; each request's line carries its fields)
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_new_tokens_cap <= MAX_NEW_TOKENS_CEILING:
             raise InvalidRequestError(
                 f"server.max_new_tokens_cap must be in [1, {MAX_NEW_TOKENS_CEILING}], got {self.max_new_tokens_cap}")
+        if self.log_format not in LOG_FORMATS:
+            raise InvalidRequestError(f"server.log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if self.timeout_s <= 0:
             raise InvalidRequestError(f"server.timeout_s must be > 0, got {self.timeout_s}")
         try:
