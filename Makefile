@@ -20,7 +20,7 @@ run: setup
 test: setup
 	$(PY) -m pytest -q
 
-# Checkpoints for speculative decoding, written to $(INFERLAB_CACHE) or .cache/inferlab (no network; each
+# Checkpoints for speculative decoding, written to $(INFERLAB_CACHE) or ~/.cache/inferlab (no network; each
 # well under an hour on 2 CPU cores): the draft spec=draft loads for smollm2-135m, and the from-scratch pair.
 draft: setup
 	$(VENV)/bin/inferlab-train task=draft

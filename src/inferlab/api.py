@@ -1,8 +1,6 @@
 """The one-line way in: `load_engine(model=..., precision=..., **overrides)` composes conf/ and builds the engine."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,9 +14,12 @@ from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.engine.speculative import build_speculation
 from inferlab.errors import InvalidRequestError, ModelLoadError
 from inferlab.model.loader import load_model
+from inferlab.paths import cache_dir, conf_dir
 from inferlab.quant import quantize_model
 
-CONF_DIR = Path(os.environ.get("INFERLAB_CONF", Path(__file__).resolve().parents[2] / "conf"))
+CONF_DIR = conf_dir()
+# conf/ names the cache dir (paths.cache_dir: $INFERLAB_CACHE or the user's cache) as ${inferlab_cache:}
+OmegaConf.register_new_resolver("inferlab_cache", lambda: str(cache_dir()), replace=True)
 
 
 def compose(config_name: str = "engine", overrides: list[str] | None = None) -> DictConfig:

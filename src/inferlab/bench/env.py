@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[3]
+from inferlab.paths import source_tree
 
 
 def environment() -> dict[str, Any]:
@@ -44,7 +44,7 @@ def _cpu_model() -> str:
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", *args], cwd=source_tree() or Path.cwd(), capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None

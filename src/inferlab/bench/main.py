@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 import traceback
@@ -25,8 +24,9 @@ from inferlab.bench.env import environment
 from inferlab.bench.studies import StudyUnavailable, run_study
 from inferlab.cli import hydra_app
 from inferlab.errors import InferlabError, InvalidRequestError
+from inferlab.paths import sweeps_dir
 
-SWEEPS_DIR = Path(os.environ.get("INFERLAB_SWEEPS", CONF_DIR.parent / "sweeps"))
+SWEEPS_DIR = sweeps_dir()
 RESULT_FILE = "result.json"
 _ABSENT = object()
 

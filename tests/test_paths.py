@@ -1,0 +1,28 @@
+"""Where inferlab finds conf/ and keeps its cache (paths.py), run from the repository."""
+import sys
+from pathlib import Path
+
+from inferlab.api import compose
+from inferlab.kernels.build import kernels_build_dir
+from inferlab.paths import cache_dir, conf_dir, source_tree, sweeps_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_repository_reads_its_top_level_conf_and_sweeps(monkeypatch):
+    monkeypatch.delenv("INFERLAB_CONF", raising=False)
+    monkeypatch.delenv("INFERLAB_SWEEPS", raising=False)
+    assert source_tree() == REPO and conf_dir() == REPO / "conf" and sweeps_dir() == REPO / "sweeps"
+    monkeypatch.setenv("INFERLAB_SWEEPS", "/elsewhere/sweeps")
+    assert sweeps_dir() == Path("/elsewhere/sweeps")
+
+
+def test_the_cache_is_the_users_unless_inferlab_cache_says(monkeypatch, tmp_path):
+    monkeypatch.delenv("INFERLAB_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    if sys.platform.startswith("linux"):
+        assert cache_dir() == tmp_path / "xdg" / "inferlab"
+    monkeypatch.setenv("INFERLAB_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+    assert kernels_build_dir().parent == tmp_path / "mine" / "kernels"
+    assert compose(overrides=["model=scratch"]).model.path == str(tmp_path / "mine" / "models" / "scratch")
