@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
 from inferlab.kernels.select import select_kernels
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
+from inferlab.engine.speculative import build_speculation
 from inferlab.model.config import ModelConfig
 from inferlab.model.loader import LoadedModel
 from inferlab.model.tokenizer import Tokenizer
@@ -64,18 +66,21 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
 
 def tiny_engine(tokenizer: Tokenizer, cache_mode: str = "contiguous", slots: int = 2, seed: int = 0,
                 max_new_tokens: int = 16, dtype: torch.dtype = torch.float32, kernels: str | None = None,
-                quant: str | None = None, **overrides) -> InferenceEngine:
+                quant: str | None = None, spec: dict | None = None, **overrides) -> InferenceEngine:
     """`kernels` given: the model's layers are swapped for that choice (kernels/select.py) first, as
-    load_engine does, after quantizing them with `quant` (int4: groups of 32)."""
+    load_engine does, after quantizing them with `quant` (int4: groups of 32) and building the drafter of
+    `spec` (a resolved conf/spec group; its draft model's layers are swapped too)."""
     model = tiny_model(seed, **overrides).to(dtype)
     if quant:
         quantize_model(model, quant, 32 if quant == "int4" else None)
+    speculation = build_speculation(spec, "tiny", model, dtype, torch.device("cpu")) if spec else None
     if kernels:
-        select_kernels(model, torch.device("cpu"), dtype, kernels)
+        drafts = speculation.drafter.models() if speculation else []
+        select_kernels(nn.ModuleList([model, *drafts]), torch.device("cpu"), dtype, kernels)
     loaded = LoadedModel(model, tokenizer, model.config, "tiny random-init")
     config = EngineConfig(device=torch.device("cpu"), dtype=dtype, cache_mode=cache_mode,
                           max_seq_len=model.config.max_seq_len, slots=slots,
                           defaults=SamplingParams(max_new_tokens=max_new_tokens), block_size=16, kv_blocks=0,
                           prefix_cache=False, scheduler=SchedulerConfig(max_running=16, max_waiting=64,
                                                                         prefill_chunk=256), kernels=kernels or "fast")
-    return InferenceEngine(loaded, config)
+    return InferenceEngine(loaded, config, speculation)

@@ -12,6 +12,7 @@ from inferlab.engine.drafters import ModelDrafter, ModelRunner, NgramDrafter, lo
 from inferlab.engine.sampling import SamplingParams, probabilities
 from inferlab.engine.speculative import SpecSession, speculative_generate
 from inferlab.model.transformer import Transformer
+from inferlab.quant.self_draft import self_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -165,11 +166,15 @@ def toy_pair() -> tuple[Transformer, Transformer, dict]:
     return target, draft, exact_sequence_probs(target, TOY_PROMPT, 3, SamplingParams(max_new_tokens=3, temperature=1.0))
 
 
-@pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram", "self-int8-adaptive", "model-adaptive"])
 def test_sequence_distribution_equals_target(toy_pair, drafter_kind):
+    """Also with K chosen per round from the acceptance so far and drafting stopped at unsure proposals."""
     target, draft, exact = toy_pair
-    drafter = draft if drafter_kind == "model" else NgramDrafter(max_n=2)
-    counts = sample_sequences(target, drafter, TOY_PROMPT, N_TOY, 3, K=2, temperature=1.0)
+    drafter = {"model": draft, "ngram": NgramDrafter(max_n=2),
+               "self-int8-adaptive": ModelDrafter(self_draft(target, "int8"), min_confidence=0.6),
+               "model-adaptive": ModelDrafter(draft, min_confidence=0.6)}[drafter_kind]
+    counts = sample_sequences(target, drafter, TOY_PROMPT, N_TOY, 3, K=2, temperature=1.0,
+                              adaptive=drafter_kind.endswith("adaptive"))
     assert chi_square_pvalue(counts, exact, N_TOY) > 1e-3
 
 
@@ -191,10 +196,13 @@ def test_biased_rule_is_detected(toy_pair, monkeypatch, rule):
     assert chi_square_pvalue(counts, exact, N_TOY) < 1e-6
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 8, 1.0), (1.3, 0, 0.6)])
-def test_first_token_distribution_with_truncation(target, temperature, top_k, top_p):
-    """Rejections happen on the full vocabulary of a real-sized model with top-k/top-p applied to p and q."""
-    draft, prompt, n = perturbed(target, 0.15, seed=4), PROMPTS[1], 800
+@pytest.mark.parametrize("temperature,top_k,top_p,draft_kind", [(0.8, 8, 1.0, "perturbed"), (1.3, 0, 0.6, "perturbed"),
+                                                              (0.8, 8, 1.0, "self-int4"), (0.8, 8, 1.0, "self-int8")])
+def test_first_token_distribution_with_truncation(target, temperature, top_k, top_p, draft_kind):
+    """Rejections happen on the full vocabulary of a real-sized model with top-k/top-p applied to p and q;
+    spec=self: the target's own weights at int4 / int8 draft."""
+    draft = perturbed(target, 0.15, seed=4) if draft_kind == "perturbed" else self_draft(target, draft_kind[5:])
+    prompt, n = PROMPTS[1], 800
     params = SamplingParams(max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p)
     with torch.inference_mode():
         p = probabilities(target(torch.tensor([prompt]), torch.arange(len(prompt)).unsqueeze(0))[0, -1], params)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from omegaconf import DictConfig, OmegaConf
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
@@ -64,7 +65,12 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
     loaded = load_model(model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0)
     if cfg.precision.quant:
         quantize_model(loaded.model, cfg.precision.quant, cfg.precision.get("group_size"), loaded.gguf_path)
-    select_kernels(loaded.model, device, dtype, cfg.device.kernels)
+    # the drafts before the kernels: a self draft is built from the target's own layers, and kernels and
+    # huge pages are then chosen for both at once, so the tensors they share stay shared
+    speculation = build_speculation(OmegaConf.to_container(cfg.spec, resolve=True), cfg.model.name, loaded.model,
+                                    dtype, device, loaded.gguf_path)
+    drafts = speculation.drafter.models() if speculation else []
+    select_kernels(nn.ModuleList([loaded.model, *drafts]), device, dtype, cfg.device.kernels)
     defaults = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                               top_k=cfg.top_k, seed=cfg.seed, stop=list(cfg.stop))
     kv_blocks = blocks_for_budget(loaded.config, cfg.cache.kv_budget_mb, cfg.cache.block_size, dtype) \
@@ -73,8 +79,6 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
                           max_seq_len=loaded.config.max_seq_len, slots=cfg.cache.slots, defaults=defaults,
                           block_size=cfg.cache.block_size, kv_blocks=kv_blocks, prefix_cache=cfg.cache.prefix,
                           scheduler=SchedulerConfig(**cfg.scheduler), kernels=cfg.device.kernels)
-    speculation = build_speculation(OmegaConf.to_container(cfg.spec, resolve=True), cfg.model.name, loaded.model,
-                                    dtype, device)
     return InferenceEngine(loaded, config, speculation)
 
 

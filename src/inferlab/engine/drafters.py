@@ -1,27 +1,28 @@
 """Drafters: cheap proposers of the next K tokens that speculative decoding verifies with the target.
 
-Two kinds behind one interface: a small draft model sharing the target's vocabulary (its own KV cache,
-rolled back by resetting a length), and n-gram prompt lookup (no model: copy what followed the latest
-earlier occurrence of the context's last n tokens). A `Drafter` holds what requests share (weights);
-`start()` gives one sequence's `DraftState`.
+Two kinds behind one interface: a draft model sharing the target's vocabulary (a small trained one,
+spec=draft, or the target's own weights at int4/int8, spec=self; its own KV cache, rolled back by
+resetting a length, and its own fused C++ decode step where the kernels apply), and n-gram prompt lookup
+(no model: copy what followed the latest earlier occurrence of the context's last n tokens). A
+`Drafter` holds what requests share (weights); `start()` gives one sequence's `DraftState`.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.engine.kv_cache import CachedAttend, KVCache
 from inferlab.engine.sampling import SamplingParams, probabilities
 from inferlab.errors import ModelLoadError
 from inferlab.model.transformer import Transformer
-
-if TYPE_CHECKING:
-    from inferlab.kernels.fused_decode import FusedDecode
+from inferlab.quant.apply import weight_bytes
+from inferlab.quant.self_draft import self_draft
 
 
 class ModelRunner:
@@ -82,6 +83,17 @@ class Drafter(ABC):
     def start(self, capacity: int) -> DraftState:
         """State for a new sequence of at most `capacity` tokens."""
 
+    def models(self) -> list[Transformer]:
+        """The models it runs (their kernels are chosen with the target's, kernels/select.py)."""
+        return []
+
+    def build_fused(self, device: torch.device, dtype: torch.dtype, kernels: str) -> None:
+        """Once its models' kernels are chosen: their fused C++ decode steps, where they apply."""
+
+    def step_cost(self, target: Transformer) -> float:
+        """One draft step in target decode steps (engine/adaptive_k.py)."""
+        return 0.0
+
 
 # ---- n-gram prompt lookup ------------------------------------------------------------------------
 
@@ -124,16 +136,33 @@ def lookup_continuation(context: list[int], k: int, min_n: int, max_n: int) -> l
 
 @dataclass
 class ModelDrafter(Drafter):
+    """Drafts token by token with a model; stops a round early at a proposal it gives less than
+    `min_confidence` probability (its argmax's softmax when greedy): the tokens after an unsure one are
+    rarely accepted, and each costs a draft step and a verified row."""
+
     model: Transformer
     name: str = "draft"
+    min_confidence: float = 0.0
+    fused: FusedDecode | None = None  # the draft's own fused decode step (build_fused); None: the Python model
 
     def start(self, capacity: int) -> DraftState:
-        return ModelDraftState(ModelRunner(self.model, capacity))
+        return ModelDraftState(ModelRunner(self.model, capacity, self.fused), self.min_confidence)
+
+    def models(self) -> list[Transformer]:
+        return [self.model]
+
+    def build_fused(self, device: torch.device, dtype: torch.dtype, kernels: str) -> None:
+        self.fused = FusedDecode.build(self.model, device, dtype, kernels)
+
+    def step_cost(self, target: Transformer) -> float:
+        """Decoding reads every weight once a step: the draft's bytes over the target's."""
+        return weight_bytes(self.model) / weight_bytes(target)
 
 
 @dataclass
 class ModelDraftState(DraftState):
     runner: ModelRunner
+    min_confidence: float = 0.0
     calls: int = field(default=0)
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
@@ -146,11 +175,15 @@ class ModelDraftState(DraftState):
             self.calls += 1
             if params.greedy:
                 token = int(torch.argmax(logits))
+                confidence = float(torch.softmax(logits.float(), -1)[token]) if self.min_confidence else 1.0
             else:
                 q = probabilities(logits, params)
                 token = int(torch.multinomial(q, 1, generator=generator))
                 dists.append(q)
+                confidence = float(q[token])
             tokens.append(token)
+            if confidence < self.min_confidence:
+                break
             pending = [token]
         return Proposal(tokens, torch.stack(dists) if dists else None)
 
@@ -161,8 +194,9 @@ class ModelDraftState(DraftState):
 # ---- from config ---------------------------------------------------------------------------------
 
 def build_drafter(spec: dict[str, Any], model_name: str, target: Transformer, dtype: torch.dtype,
-                  device: torch.device) -> Drafter | None:
-    """The resolved `spec` config group -> a Drafter (None for spec=off)."""
+                  device: torch.device, gguf_path: Path | None = None) -> Drafter | None:
+    """The resolved `spec` config group -> a Drafter (None for spec=off). `gguf_path`: the target's file,
+    whose Q4_1 blocks a spec=self int4 draft imports as they are."""
     name = spec["name"]
     if name == "off":
         return None
@@ -170,8 +204,12 @@ def build_drafter(spec: dict[str, Any], model_name: str, target: Transformer, dt
         return NgramDrafter(max_n=int(spec["ngram_max"]), min_n=int(spec["ngram_min"]))
     if name == "draft":
         path = Path(str(spec["draft_model"])).expanduser() if spec.get("draft_model") else default_draft_dir(model_name)
-        return ModelDrafter(load_draft_model(path, target, dtype, device, build_hint=str(spec["build"])))
-    raise ModelLoadError(f"unknown spec {name!r}: use spec=off, spec=ngram or spec=draft")
+        return ModelDrafter(load_draft_model(path, target, dtype, device, build_hint=str(spec["build"])),
+                            min_confidence=float(spec["min_confidence"]))
+    if name == "self":
+        return ModelDrafter(self_draft(target, str(spec["draft_precision"]), gguf_path), "self",
+                            float(spec["min_confidence"]))
+    raise ModelLoadError(f"unknown spec {name!r}: use spec=off, spec=ngram, spec=draft or spec=self")
 
 
 def default_draft_dir(model_name: str) -> Path:

@@ -160,7 +160,7 @@ class PagedSequence(Sequence):
 class InferenceEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, speculation: Speculation | None = None) -> None:
         self.loaded, self.config = loaded, config
-        self.speculation = speculation  # spec=ngram|draft: requests run one at a time, drafted and verified
+        self.speculation = speculation  # spec=ngram|draft|self: requests run one at a time, drafted and verified
         self.model: Transformer = loaded.model
         self.tokenizer = loaded.tokenizer
         self.kv_cache: KVCache | None = None
@@ -172,6 +172,8 @@ class InferenceEngine:
         # a cached decode step of at most FusedDecode.covers rows runs as one C++ call (None: the Python model)
         self.fused = FusedDecode.build(self.model, config.device, config.dtype, config.kernels) \
             if config.cache_mode != "none" else None
+        if speculation is not None:  # a draft model decodes through its own fused step too
+            speculation.drafter.build_fused(config.device, config.dtype, config.kernels)
         if config.cache_mode == "contiguous":
             self.kv_cache = KVCache(loaded.config, config.slots, config.max_seq_len, config.dtype, config.device)
             self.kv_cache.decode_kernel = decode_kernel

@@ -7,16 +7,19 @@ drawn from the normalized residual max(0, p_i - q_i); if all K pass, a bonus tok
 This makes every emitted token distributed exactly as the target alone would sample it (Leviathan et
 al. 2023, Chen et al. 2023), and at temperature 0 reduces to "keep the draft while it equals the
 target's argmax". Both caches roll back by lowering a length; rejected entries are overwritten later.
+With `spec.adaptive`, each sequence picks its round's K from its own acceptance so far (engine/adaptive_k.py).
 """
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
 import torch
 from torch import Tensor
 
+from inferlab.engine.adaptive_k import AdaptiveK
 from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, ModelRunner, build_drafter
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.engine.sampling import SamplingParams, probabilities
@@ -120,6 +123,7 @@ class SpecSession:
     tokens: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
     totals: SpecStats | None = None  # counters shared across sessions (the engine's), added to each round
+    policy: AdaptiveK | None = None  # K per round from this sequence's acceptance; None: always k
 
     def __post_init__(self) -> None:
         # the target is fed at most the prompt, the generated tokens but the last, and the drafts of a round
@@ -131,7 +135,7 @@ class SpecSession:
         """One draft-and-verify round; returns the 1..k+1 tokens it emitted."""
         context = self.prompt_ids + self.tokens
         draft_calls = self.draft.calls
-        k = min(self.k, self.max_new_tokens - len(self.tokens) - 1)
+        k = min(self.policy.next_k() if self.policy else self.k, self.max_new_tokens - len(self.tokens) - 1)
         proposal = self.draft.propose(context, k, self.params, self.generator)
         drafts = proposal.tokens
         logits = self.runner.forward(context[self.runner.length:] + drafts)[-(len(drafts) + 1):]  # (k+1, vocab)
@@ -140,6 +144,8 @@ class SpecSession:
         else:
             n, last = verify(probabilities(logits, self.params), drafts, proposal.probs, self.generator)
         emitted = drafts[:n] + [last]
+        if self.policy is not None and drafts:
+            self.policy.observe(len(drafts), n)
         kept = len(context) + n  # KV of the context and the accepted drafts stays; `last` is fed next round
         self.runner.length = kept
         self.draft.rollback(kept)
@@ -152,10 +158,11 @@ class SpecSession:
 
 @dataclass
 class Speculation:
-    """What the engine holds for spec=ngram|draft: the drafter (shared weights) and K."""
+    """What the engine holds for spec=ngram|draft|self: the drafter (shared weights) and K (the bound, when adaptive)."""
 
     drafter: Drafter
     k: int
+    adaptive: bool = False
     totals: SpecStats = field(default_factory=SpecStats)  # over every request, for the engine's stats()
 
     def counters(self) -> dict[str, int]:
@@ -166,15 +173,16 @@ class Speculation:
     def start(self, target: Transformer, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
               generator: torch.Generator | None, fused: FusedDecode | None = None) -> SpecSession:
         draft = self.drafter.start(len(prompt_ids) + max_new_tokens)
+        policy = AdaptiveK(self.k, self.drafter.step_cost(target)) if self.adaptive else None
         return SpecSession(target, draft, list(prompt_ids), params, self.k, max_new_tokens, generator, fused,
-                           totals=self.totals)
+                           totals=self.totals, policy=policy)
 
 
 def build_speculation(spec: dict[str, Any], model_name: str, target: Transformer, dtype: torch.dtype,
-                      device: torch.device) -> Speculation | None:
+                      device: torch.device, gguf_path: Path | None = None) -> Speculation | None:
     """The resolved `spec` config group -> Speculation (None for spec=off)."""
-    drafter = build_drafter(spec, model_name, target, dtype, device)
-    return Speculation(drafter, int(spec["k"])) if drafter is not None else None
+    drafter = build_drafter(spec, model_name, target, dtype, device, gguf_path)
+    return Speculation(drafter, int(spec["k"]), bool(spec["adaptive"])) if drafter is not None else None
 
 
 def stream_events(session: SpecSession, request: Request, lock: threading.Lock) -> Iterator[StreamEvent]:
@@ -191,14 +199,15 @@ def stream_events(session: SpecSession, request: Request, lock: threading.Lock) 
 def speculative_generate(target_model: Transformer, draft_model: Transformer | Drafter, prompt_ids: list[int],
                          K: int = 4, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                          max_new_tokens: int = 64, seed: int | None = None,
-                         eos_ids: set[int] | frozenset[int] = frozenset()) -> SpecResult:
-    """Generate with `draft_model` (a Transformer sharing the vocabulary, or any Drafter) proposing K tokens.
+                         eos_ids: set[int] | frozenset[int] = frozenset(), adaptive: bool = False) -> SpecResult:
+    """Generate with `draft_model` (a Transformer sharing the vocabulary, or any Drafter) proposing K tokens
+    (at most K per round with `adaptive`, engine/adaptive_k.py).
 
     Stops after `max_new_tokens` or at an id in `eos_ids` (not included in the tokens).
     """
     drafter = draft_model if isinstance(draft_model, Drafter) else ModelDrafter(draft_model)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    session = Speculation(drafter, K).start(target_model, prompt_ids, params, max_new_tokens,
+    session = Speculation(drafter, K, adaptive).start(target_model, prompt_ids, params, max_new_tokens,
                                             params.make_generator(target_model.rope_cos.device))
     while len(session.tokens) < max_new_tokens:
         session.step()

@@ -51,10 +51,11 @@ class QuantReport:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the state dict, each storage once (tied weights are shared, not doubled)."""
+    """Bytes of the state dict, each tensor once (tied weights are shared, not doubled). Counted per tensor,
+    not per storage: on huge pages every weight is a view of one arena (kernels/huge_pages.py)."""
     seen: dict[int, int] = {}
     for tensor in model.state_dict().values():
-        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        seen[tensor.data_ptr()] = max(seen.get(tensor.data_ptr(), 0), tensor.nbytes)
     return sum(seen.values())
 
 

@@ -1,0 +1,90 @@
+"""A model's own weights at fewer bits, as a draft for speculative decoding (spec=self): nothing to train.
+
+On a CPU a decode step costs about the bytes of weights it reads, so a copy of the target at int4 (or
+int8) drafts 2-8x faster than the target verifies, and it agrees with the target on most tokens. The
+copy is a second module tree that shares every tensor it does not requantize with the target (norms,
+rope tables, an embedding that is only looked up, an LM head already at int8): the float weights are
+never held twice. Its decoder Linears are quantized like precision=int4|int8 quantizes them (int4 in
+groups of 32, so a GGUF's Q4_1 blocks import as they are; the LM head at int8, a tied embedding reading
+the head's int8 rows).
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from inferlab.errors import QuantizationError
+from inferlab.model.transformer import Transformer
+from inferlab.quant.gguf_q4 import Q4_1_GROUP, read_q4_1_linears
+from inferlab.quant.int4 import Int4GroupLinear
+from inferlab.quant.int8 import Int8Embedding, Int8Linear
+
+DRAFT_PRECISIONS = ("int4", "int8")
+BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def weight_format(model: Transformer) -> str:
+    """How the decoder's Linears hold their weights: int4 | int8 | fp32 | bf16 | fp16."""
+    layer = model.layers[0].feed_forward.w2
+    if isinstance(layer, Int4GroupLinear):
+        return "int4"
+    if isinstance(layer, Int8Linear):
+        return "int8"
+    return DTYPE_NAMES[layer.weight.dtype]
+
+
+def check_draft_precision(target: Transformer, draft_precision: str) -> None:
+    """Refuse a draft that would read as many bytes per step as the target: it could not pay."""
+    if draft_precision not in DRAFT_PRECISIONS:
+        raise QuantizationError(f"spec.draft_precision={draft_precision!r}; use one of {list(DRAFT_PRECISIONS)}")
+    target_format = weight_format(target)
+    if BYTES_PER_WEIGHT[draft_precision] >= BYTES_PER_WEIGHT[target_format]:
+        smaller = [p for p in DRAFT_PRECISIONS if BYTES_PER_WEIGHT[p] < BYTES_PER_WEIGHT[target_format]]
+        fix = f"use spec.draft_precision={smaller[0]}" if smaller else "use a float or int8 target, or spec=ngram"
+        raise QuantizationError(f"spec=self: an {draft_precision} draft reads no fewer bytes than this "
+                                f"{target_format} target; {fix}")
+
+
+def self_draft(target: Transformer, draft_precision: str, gguf_path: Path | None = None) -> Transformer:
+    """The target's weights at `draft_precision` as a second model sharing everything else with it.
+
+    `gguf_path`: the file the target came from; an int4 draft imports its Q4_1 blocks instead of
+    requantizing the (dequantized) float weights.
+    """
+    check_draft_precision(target, draft_precision)
+    head = target.output
+    shared: dict[int, object] = {id(t): t for t in (*target.parameters(), *target.buffers())}
+    if isinstance(head, Int8Linear):  # already what a draft's head is: share the modules themselves
+        shared.update({id(head): head, id(target.tok_embeddings): target.tok_embeddings})
+    draft = copy.deepcopy(target, shared)  # new modules, the same tensors
+    imported = read_q4_1_linears(gguf_path, target.config) if gguf_path and draft_precision == "int4" else {}
+    for name, layer in list(target.named_modules()):
+        if not hasattr(layer, "in_features") or layer is head and isinstance(head, Int8Linear):
+            continue  # not a Linear, or the shared int8 head
+        if layer is head:
+            new: nn.Module = Int8Linear(float_linear(head))
+            if head.weight is getattr(target.tok_embeddings, "weight", None):
+                draft.tok_embeddings = Int8Embedding(new)
+        elif draft_precision == "int8":
+            new = Int8Linear(float_linear(layer))
+        else:
+            new = Int4GroupLinear(float_linear(layer), Q4_1_GROUP, codes=imported.get(name))
+        draft.set_submodule(name, new)
+    return draft.eval()
+
+
+def float_linear(layer: nn.Module) -> nn.Module:
+    """`layer` with a float `weight` to quantize from: itself, or an int8 layer's dequantized copy (transient)."""
+    if not isinstance(layer, Int8Linear):
+        return layer
+    dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                      device=layer.weight.device, dtype=layer.scales.dtype)
+    with torch.no_grad():
+        dense.weight.copy_(layer.dequantize())
+        if layer.bias is not None:
+            dense.bias.copy_(layer.bias)
+    return dense

@@ -1,0 +1,53 @@
+"""Adaptive K: the draft length that maximizes expected tokens per unit of cost, and the fallback to plain decoding."""
+from __future__ import annotations
+
+import pytest
+
+from inferlab.engine.adaptive_k import BACKOFF, AdaptiveK, best_k
+
+
+def brute_force_k(acceptance: float, draft_cost: float, max_k: int) -> int:
+    rates = [sum(acceptance ** i for i in range(k + 1)) / (1 + k * draft_cost) for k in range(max_k + 1)]
+    return max(range(max_k + 1), key=lambda k: (round(rates[k], 12), -k))
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.1, 0.3, 0.5, 0.7, 0.88, 0.95, 1.0])
+@pytest.mark.parametrize("draft_cost", [0.0, 0.05, 0.2, 0.45, 1.0])
+def test_best_k_maximizes_tokens_per_cost(acceptance, draft_cost):
+    assert best_k(acceptance, draft_cost, 6) == brute_force_k(acceptance, draft_cost, 6)
+
+
+def test_long_rounds_where_the_draft_agrees_none_where_it_costs_more_than_it_brings():
+    assert best_k(0.95, 0.2, 6) == 6
+    assert 0 < best_k(0.6, 0.2, 6) < 6
+    assert best_k(0.15, 0.2, 6) == 0  # even one draft token brings 0.15 for a cost of 0.2
+
+
+def test_falls_back_then_probes_and_resumes():
+    policy = AdaptiveK(max_k=4, draft_cost=0.1)
+    assert policy.next_k() == 4  # the prior: the draft usually agrees
+    for _ in range(20):
+        policy.observe(4, 0)
+    assert policy.acceptance < 0.1
+    assert [policy.next_k() for _ in range(BACKOFF)] == [0] * BACKOFF  # plain decoding
+    assert policy.next_k() == 1  # the probe
+    for _ in range(5):
+        policy.observe(1, 1)
+    assert policy.next_k() > 0  # it pays again
+
+
+def test_failed_probe_backs_off_again():
+    policy = AdaptiveK(max_k=4, draft_cost=0.3, acceptance=0.0)
+    assert [policy.next_k() for _ in range(BACKOFF)] == [0] * BACKOFF
+    assert policy.next_k() == 1
+    policy.observe(1, 0)
+    assert [policy.next_k() for _ in range(BACKOFF)] == [0] * BACKOFF
+
+
+def test_observe_counts_accepted_and_one_rejection():
+    policy = AdaptiveK(max_k=4, draft_cost=0.1, acceptance=0.5)
+    policy.observe(4, 4)  # four successes, nothing rejected
+    assert policy.acceptance == pytest.approx(1 - 0.5 * 0.9 ** 4)
+    policy.observe(4, 1)  # one success, one failure; the two after the rejection were never judged
+    high = 1 - 0.5 * 0.9 ** 5
+    assert policy.acceptance == pytest.approx(high * 0.9)

@@ -1,0 +1,113 @@
+"""spec=self: the target's own weights at int4/int8 as its draft, on the fused step and the portable path."""
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import tiny_engine, tiny_model
+from inferlab.api import CONF_DIR
+from inferlab.kernels.build import cpu_gemv_available
+from inferlab.errors import QuantizationError
+from inferlab.quant import quantize_model
+from inferlab.quant.int4 import Int4GroupLinear
+from inferlab.quant.int8 import Int8Embedding, Int8Linear
+from inferlab.quant.self_draft import self_draft
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["abcabcabcab", "the cat sat on the mat; the cat", "xyz", "Speculation pays when the draft agrees"]
+
+
+def spec_config(name: str, **overrides) -> dict:
+    """conf/spec/NAME.yaml as the engine receives it, with `overrides`."""
+    return {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "spec" / f"{name}.yaml")), **overrides}
+
+
+def tied_model(seed: int = 0):
+    model = tiny_model(seed)
+    model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+@pytest.mark.parametrize("precision", ["int4", "int8"])
+def test_draft_shares_what_it_does_not_quantize(precision):
+    target = tied_model()
+    before = {name: t.clone() for name, t in target.state_dict().items()}
+    draft = self_draft(target, precision)
+    kind = Int4GroupLinear if precision == "int4" else Int8Linear
+    assert all(isinstance(block.feed_forward.w2, kind) and isinstance(block.attention.wqkv, kind)
+               for block in draft.layers)
+    assert isinstance(draft.output, Int8Linear) and isinstance(draft.tok_embeddings, Int8Embedding)
+    target_ptrs = {t.data_ptr() for t in target.state_dict().values()}
+    for name, tensor in draft.state_dict().items():  # float tensors are the target's own, never copies
+        assert tensor.dtype != torch.float32 or tensor.data_ptr() in target_ptrs or name.endswith(("scales", "mins")), name
+    assert draft.norm.weight is target.norm.weight and draft.rope_cos is target.rope_cos
+    for name, tensor in target.state_dict().items():  # the target is left as it was
+        torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
+
+
+def test_int8_target_shares_its_head_with_an_int4_draft():
+    target = tied_model().to(torch.bfloat16)
+    quantize_model(target, "int8")
+    draft = self_draft(target, "int4")
+    assert draft.output is target.output and draft.tok_embeddings is target.tok_embeddings
+    assert isinstance(draft.layers[0].feed_forward.w13, Int4GroupLinear)
+
+
+@pytest.mark.parametrize("target_quant,draft_precision,fix", [("int4", "int4", "float or int8 target"),
+                                                              ("int4", "int8", "float or int8 target"),
+                                                              ("int8", "int8", "draft_precision=int4")])
+def test_refused_where_the_draft_reads_no_fewer_bytes(target_quant, draft_precision, fix):
+    target = tiny_model(0).to(torch.bfloat16)
+    quantize_model(target, target_quant, 32 if target_quant == "int4" else None)
+    with pytest.raises(QuantizationError, match=fix) as error:
+        self_draft(target, draft_precision)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("kernels", ["fast", "portable"])
+@pytest.mark.parametrize("quant,draft_precision", [(None, "int4"), (None, "int8"), ("int8", "int4")])
+def test_engine_greedy_equals_spec_off(tiny_tokenizer, kernels, quant, draft_precision):
+    """Lossless at T=0 against the same target without speculation, the draft decoding through its own
+    fused step (fast) or the Python model (portable)."""
+    if kernels == "fast" and not cpu_gemv_available():
+        pytest.skip("no AVX2 CPU or no C++ toolchain here")
+    dtype = torch.bfloat16 if quant else torch.float32
+    common = dict(max_new_tokens=24, kernels=kernels, quant=quant, dtype=dtype)
+    plain = tiny_engine(tiny_tokenizer, **common)
+    for adaptive in (True, False):
+        spec = tiny_engine(tiny_tokenizer, **common, spec=spec_config("self", draft_precision=draft_precision,
+                                                                        adaptive=adaptive, k=4))
+        assert (spec.speculation.drafter.fused is not None) == (kernels == "fast")
+        for prompt in PROMPTS:
+            want, got = plain.generate(prompt), spec.generate(prompt)
+            assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+        stats = spec.stats()
+        assert stats["spec_proposed"] > 0 and stats["spec_accepted"] > 0  # the draft ran, and was right sometimes
+
+
+def test_draft_cache_after_rollbacks_equals_a_fresh_prefill(tiny_tokenizer):
+    """The draft's own KV, written by its fused step and rolled back after rejections, is what a fresh
+    Python prefill of the confirmed tokens writes, up to the int4 kernel's rounding (a stale entry, the KV
+    of another token, would be off by the values' own size)."""
+    if not cpu_gemv_available():
+        pytest.skip("no AVX2 CPU or no C++ toolchain here")
+    from inferlab.engine.drafters import ModelRunner
+    from inferlab.engine.sampling import SamplingParams
+
+    engine = tiny_engine(tiny_tokenizer, kernels="fast", spec=spec_config("self", min_confidence=0.0, k=4))
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=3)
+    session = engine.speculation.start(engine.model, prompt, params, 40, params.make_generator(torch.device("cpu")),
+                                       engine.fused)
+    while len(session.tokens) < 30:
+        session.step()
+    assert session.stats.accepted < session.stats.proposed
+    runner = session.draft.runner
+    n = runner.length
+    fresh = ModelRunner(runner.model, 80)
+    fresh.forward((prompt + session.tokens)[:n])
+    for got, want in ((runner.cache.k, fresh.cache.k), (runner.cache.v, fresh.cache.v)):
+        assert want[:, :, :, :n].abs().mean() > 0.1
+        torch.testing.assert_close(got[:, :, :, :n], want[:, :, :, :n], atol=3e-3, rtol=3e-2)
