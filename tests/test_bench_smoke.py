@@ -133,3 +133,19 @@ def test_threads_measures_one_thread_and_all_of_them_side_by_side(tmp_path: Path
         assert row["decode_tok_s"] > 0 and row["bandwidth_gb_s"] > 0
         assert row["decode_speedup"] == pytest.approx(row["decode_tok_s"] / rows[0]["decode_tok_s"])
         assert row["bandwidth_speedup"] == pytest.approx(row["bandwidth_gb_s"] / rows[0]["bandwidth_gb_s"])
+
+
+@pytest.mark.slow
+def test_spec_decode_runs_every_drafter_beside_spec_off_in_one_job(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("INFERLAB_CACHE", str(tmp_path / "cache"))  # no trained draft here: its row says why
+    result = one_ok_result(tmp_path, "study=spec_decode", "size=smoke", "spec=self")
+    rows = result["rows"]
+    (draft,) = [row for row in rows if row["spec"] == "draft"]
+    assert draft["decode_tok_s"] is None and "make draft" in draft["note"]
+    measured = [row for row in rows if row["spec"] != "draft"]
+    assert {(r["spec"], r["temperature"], r["prompts"]) for r in measured} == \
+        {(s, t, p) for s in ("off", "ngram", "self") for t in (0.0, 0.8) for p in ("chat", "extractive")}
+    for row in measured:
+        assert row["decode_tok_s"] > 0 and row["speedup"] > 0
+        assert row["speedup"] == 1.0 if row["spec"] == "off" else row["tokens_per_target_call"] >= 1.0
+        assert row["matches_off"] is (True if row["temperature"] == 0.0 and row["spec"] != "off" else None)
