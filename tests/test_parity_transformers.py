@@ -47,9 +47,9 @@ CASES = {
 FUSED_DECODE = {"llama", "llama-tied-llama3-rope", "qwen2"}  # the C++ step runs exactly these layers
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def checkpoint(request, tmp_path_factory):
-    cls, config = CASES[request.param]
+def reference_model(case: str):
+    """The case's transformers model, random-init with weights large enough that every feature shows."""
+    cls, config = CASES[case]
     torch.manual_seed(0)
     reference = cls(config).eval()
     with torch.no_grad():  # non-trivial norms and biases, so a mapping mistake cannot hide behind ones/zeros
@@ -58,6 +58,36 @@ def checkpoint(request, tmp_path_factory):
                 p.add_(torch.randn_like(p) * 0.1)
             else:
                 p.mul_(4)  # larger weights: soft-caps and windows change the logits by far more than the tolerance
+    return reference
+
+
+def assert_engine_matches(engine, reference, case: str, kernels: str) -> None:
+    """Logits of a whole sequence within 1e-4, then the same greedy tokens through the engine's decode path."""
+    if case not in FUSED_DECODE:  # the C++ step declines what it cannot run exactly: the Python model decodes
+        assert engine.fused is None
+    elif kernels == "fast" and engine.config.cache_mode == "contiguous" and cpu_gemv_available():
+        assert engine.fused is not None
+    tokens = torch.randint(0, 256, (1, PROMPT + NEW), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        actual = engine.model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0))
+    assert (actual - expected).abs().max() <= 1e-4
+
+    prompt = tokens[:, :PROMPT]
+    completion = engine.generate(prompt[0].tolist(), max_new_tokens=NEW, temperature=0)
+    hf_tokens = reference.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, PROMPT:]
+    assert completion.token_ids == hf_tokens.tolist()
+
+
+def local_engine(path, kernels: str, cache: str):
+    return load_engine(model="local", precision="fp32", cache=cache, device="cpu", **{
+        "model.path": str(path), "device.kernels": kernels, "cache.max_seq_len": MAX_SEQ_LEN, "cache.prefix": False,
+        "cache.kv_budget_mb": 1})
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request, tmp_path_factory):
+    reference = reference_model(request.param)
     path = tmp_path_factory.mktemp(request.param)
     reference.save_pretrained(path)
     byte_level_backend().save(str(path / "tokenizer.json"))
@@ -81,20 +111,4 @@ def test_config_declares_the_family(checkpoint):
                                            ("portable", "paged")])
 def test_logits_and_greedy_tokens_match_transformers(checkpoint, kernels, cache, one_thread):
     case, reference, path = checkpoint
-    engine = load_engine(model="local", precision="fp32", cache=cache, device="cpu", **{
-        "model.path": str(path), "device.kernels": kernels, "cache.max_seq_len": MAX_SEQ_LEN, "cache.prefix": False,
-        "cache.kv_budget_mb": 1})
-    if case not in FUSED_DECODE:  # the C++ step declines what it cannot run exactly: the Python model decodes
-        assert engine.fused is None
-    elif kernels == "fast" and cpu_gemv_available():
-        assert engine.fused is not None
-    tokens = torch.randint(0, 256, (1, PROMPT + NEW), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = reference(tokens).logits
-        actual = engine.model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0))
-    assert (actual - expected).abs().max() <= 1e-4
-
-    prompt = tokens[:, :PROMPT]
-    completion = engine.generate(prompt[0].tolist(), max_new_tokens=NEW, temperature=0)
-    hf_tokens = reference.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, PROMPT:]
-    assert completion.token_ids == hf_tokens.tolist()
+    assert_engine_matches(local_engine(path, kernels, cache), reference, case, kernels)

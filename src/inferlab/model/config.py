@@ -14,7 +14,7 @@ from typing import Any
 from inferlab.errors import ModelLoadError
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-ROPE_TYPES = ("llama3", "linear", "longrope")  # beside the default (unscaled) rotation
+ROPE_TYPES = ("llama3", "linear", "longrope", "freq_factors")  # beside the default (unscaled) rotation
 
 GEMMA = dict(norm_offset=True, sandwich_norms=True, scale_embeddings=True)
 FAMILIES: dict[str, dict[str, Any]] = {  # HF model_type -> what differs from Llama, whatever the checkpoint's values
@@ -24,6 +24,16 @@ FAMILIES: dict[str, dict[str, Any]] = {  # HF model_type -> what differs from Ll
     "qwen3": {"qk_norm": True},
     "gemma2": GEMMA,
     "gemma3_text": {**GEMMA, "qk_norm": True},
+    "phi3": {},
+}
+GGUF_GEMMA = dict(sandwich_norms=True, scale_embeddings=True)  # llama.cpp's converter stores Gemma norms as 1 + w
+GGUF_FAMILIES: dict[str, dict[str, Any]] = {  # general.architecture -> the same differences, GGUF-side
+    "llama": {},  # also Mistral, TinyLlama, SmolLM
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "gemma2": {**GGUF_GEMMA, "window_pattern": 2, "scale_by_dim_layers": (46,)},
+    "gemma3": {**GGUF_GEMMA, "qk_norm": True, "window_pattern": 6, "local_theta": 10000.0,
+               "scale_by_dim_layers": (62,)},
     "phi3": {},
 }
 
@@ -147,28 +157,76 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf_fields(cls, meta: dict[str, Any], has_output_weight: bool) -> "ModelConfig":
-        """Build from GGUF key/values (`llama.*`); tied embeddings when the file has no output.weight."""
+    def from_gguf_fields(cls, meta: dict[str, Any], has_output_weight: bool,
+                         rope_factors: dict[str, list[float]] | None = None) -> "ModelConfig":
+        """Build from GGUF key/values (`<arch>.*`, as llama.cpp's converter writes them); tied embeddings when
+        the file has no output.weight. `rope_factors`: the file's rope_freqs / rope_factors_{long,short} tensors."""
         arch = meta["general.architecture"]
-        if arch not in ("llama", "qwen2"):
-            raise ModelLoadError(f"unsupported GGUF architecture {arch!r}: inferlab loads llama and qwen2")
-        p = f"{arch}."
-        n_heads = int(meta[p + "attention.head_count"])
-        dim = int(meta[p + "embedding_length"])
+        if arch not in GGUF_FAMILIES:
+            raise ModelLoadError(f"unsupported GGUF architecture {arch!r}: inferlab loads {sorted(GGUF_FAMILIES)}")
+        family = GGUF_FAMILIES[arch]
+
+        def key(name: str, default: Any = None) -> Any:
+            return meta.get(f"{arch}.{name}", default)
+
+        n_heads = int(key("attention.head_count"))
+        dim = int(key("embedding_length"))
+        n_layers = int(key("block_count"))
+        head_dim = int(key("attention.key_length", dim // n_heads))
+        window = int(key("attention.sliding_window", 0))
+        pattern = key("attention.sliding_window_pattern", family.get("window_pattern"))
+        if isinstance(pattern, list):  # one flag per layer
+            sliding_layers = [i for i, flag in enumerate(pattern) if flag]
+        elif pattern:  # every pattern-th layer global, as llama.cpp's set_swa_pattern
+            sliding_layers = [i for i in range(n_layers) if i % int(pattern) < int(pattern) - 1]
+        else:
+            sliding_layers = None
+        gemma = family.get("scale_embeddings", False)
+        # llama.cpp's Gemma query scale: 1/sqrt(head_dim), but 1/sqrt(dim / heads) for the 27B models
+        attention_scale = key("attention.scale") or (
+            (dim // n_heads if n_layers in family.get("scale_by_dim_layers", ()) else head_dim) ** -0.5 if gemma else 0.0)
         return cls(
-            vocab_size=int(meta.get(p + "vocab_size", len(meta["tokenizer.ggml.tokens"]))),
+            vocab_size=int(key("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
             dim=dim,
-            n_layers=int(meta[p + "block_count"]),
+            n_layers=n_layers,
             n_heads=n_heads,
-            n_kv_heads=int(meta.get(p + "attention.head_count_kv", n_heads)),
-            hidden_dim=int(meta[p + "feed_forward_length"]),
-            head_dim=int(meta.get(p + "rope.dimension_count", dim // n_heads)),
-            norm_eps=float(meta[p + "attention.layer_norm_rms_epsilon"]),
-            rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
-            max_seq_len=int(meta[p + "context_length"]),
+            n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+            hidden_dim=int(key("feed_forward_length")),
+            head_dim=head_dim,
+            norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=_gguf_rope_scaling(key, rope_factors or {}),
+            max_seq_len=int(key("context_length")),
             tie_embeddings=not has_output_weight,
-            qkv_bias=arch == "qwen2",
+            qkv_bias=family.get("qkv_bias", False),
+            qk_norm=family.get("qk_norm", False),
+            activation="gelu_tanh" if gemma else "silu",
+            sandwich_norms=family.get("sandwich_norms", False),
+            embed_scale=math.sqrt(dim) if gemma else 1.0,
+            query_scale=float(attention_scale),
+            attn_softcap=float(key("attn_logit_softcapping", 0.0)),
+            final_softcap=float(key("final_logit_softcapping", 0.0)),
+            sliding_window=window,
+            sliding_layers=sliding_layers if window else None,
+            rope_local_theta=float(key("rope.freq_base_swa", family.get("local_theta", 0.0))),
+            rotary_dim=int(key("rope.dimension_count", head_dim)),
         )
+
+
+def _gguf_rope_scaling(key: Any, factors: dict[str, list[float]]) -> dict[str, Any] | None:
+    if "rope_freqs" in factors:  # Llama 3.1+: per-frequency divisors (llama3 scaling, precomputed)
+        return {"rope_type": "freq_factors", "factors": factors["rope_freqs"]}
+    if "rope_factors_long" in factors:  # Phi-3's LongRoPE
+        return {"rope_type": "longrope", "long_factor": factors["rope_factors_long"],
+                "short_factor": factors["rope_factors_short"],
+                "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+                "attention_factor": float(key("rope.scaling.attn_factor", 1.0))}
+    kind = key("rope.scaling.type", "none")
+    if kind == "none" or (kind == "linear" and float(key("rope.scaling.factor", 1.0)) == 1.0):
+        return None
+    if kind != "linear":
+        raise ModelLoadError(f"unsupported GGUF rope scaling {kind!r}: inferlab runs linear, rope_freqs and LongRoPE")
+    return {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
 
 
 def _hf_rope(hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

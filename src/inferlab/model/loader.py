@@ -6,19 +6,18 @@ the weights exist once in memory. Checkpoint q/k/v and gate/up rows are concaten
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from inferlab.errors import ModelLoadError
 from inferlab.model.config import FAMILIES, ModelConfig
+from inferlab.model.gguf_loader import load_gguf, read_gguf_fields
 from inferlab.model.safetensors_files import SafetensorsFiles
 from inferlab.model.tokenizer import Tokenizer
 from inferlab.model.transformer import Transformer
@@ -161,67 +160,3 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, 
                     raise ModelLoadError(f"{path}: layer {i} has no {' or '.join('+'.join(s) for s in splits)} {suffix}")
                 state[f"{ours}{dst}.{suffix}"] = tensor
     return config, state, Tokenizer.from_hf_dir(path)
-
-
-# ---- GGUF ----------------------------------------------------------------------------------------
-
-def read_gguf_fields(path: Path) -> dict[str, Any]:
-    return {name: field.contents() for name, field in _open_gguf(path).fields.items()}
-
-
-def _open_gguf(path: Path):
-    """The parsed file, memory-mapped; parsing the vocabulary takes seconds, so a process does it once."""
-    if not path.is_file():
-        raise ModelLoadError(f"GGUF file not found: {path}")
-    return _parse_gguf(path.resolve(), path.stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _parse_gguf(path: Path, mtime_ns: int):
-    from gguf import GGUFReader
-
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ModelLoadError(f"{path} is not a GGUF file (bad magic)")
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises bare ValueErrors/IndexErrors on damaged files
-        raise ModelLoadError(f"{path}: unreadable GGUF ({e})") from e
-
-
-def unpermute_qk(w: Tensor, n_heads: int) -> Tensor:
-    """Undo llama.cpp's converter, which interleaves each head's two RoPE halves for its rotary kernel."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
-    from gguf import quants
-
-    reader = _open_gguf(path)
-    meta = {name: field.contents() for name, field in reader.fields.items()}
-    tensors = {t.name: t for t in reader.tensors}
-    config = ModelConfig.from_gguf_fields(meta, has_output_weight="output.weight" in tensors)
-
-    def get(name: str, fix: Callable[[Tensor], Tensor] = lambda w: w) -> Tensor:
-        t = tensors[name]
-        return fix(torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))).to(dtype)
-
-    permute = meta["general.architecture"] == "llama"  # qwen2 GGUFs keep the HF row order
-    fix_q = (lambda w: unpermute_qk(w, config.n_heads)) if permute else (lambda w: w)
-    fix_k = (lambda w: unpermute_qk(w, config.n_kv_heads)) if permute else (lambda w: w)
-    state = {"tok_embeddings.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
-    if "output.weight" in tensors:
-        state["output.weight"] = get("output.weight")
-    for i in range(config.n_layers):
-        g, ours = f"blk.{i}.", f"layers.{i}."
-        state[ours + "attention_norm.weight"] = get(g + "attn_norm.weight")
-        state[ours + "ffn_norm.weight"] = get(g + "ffn_norm.weight")
-        state[ours + "attention.wqkv.weight"] = torch.cat(
-            [get(g + "attn_q.weight", fix_q), get(g + "attn_k.weight", fix_k), get(g + "attn_v.weight")])
-        if config.qkv_bias:
-            state[ours + "attention.wqkv.bias"] = torch.cat([get(g + f"attn_{p}.bias") for p in "qkv"])
-        state[ours + "attention.wo.weight"] = get(g + "attn_output.weight")
-        state[ours + "feed_forward.w13.weight"] = torch.cat([get(g + "ffn_gate.weight"), get(g + "ffn_up.weight")])
-        state[ours + "feed_forward.w2.weight"] = get(g + "ffn_down.weight")
-    return config, state, Tokenizer.from_gguf_fields(meta)

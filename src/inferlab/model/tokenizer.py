@@ -1,4 +1,4 @@
-"""Tokenizer: a `tokenizers` BPE plus what generation needs (BOS/EOS ids, chat template)."""
+"""Tokenizer: a `tokenizers` pipeline (byte-level or SentencePiece BPE) plus what generation needs (BOS/EOS ids, chat template)."""
 from __future__ import annotations
 
 import json
@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
-GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED = 3, 4
+from inferlab.model.gguf_vocab import gguf_backend
 
 
 @dataclass
@@ -47,27 +47,16 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_fields(cls, meta: dict[str, Any]) -> "Tokenizer":
-        """Byte-level BPE from the GGUF's vocab and merges (tokenizer.ggml.model == 'gpt2')."""
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer {kind!r}: inferlab reads byte-level BPE ('gpt2') vocabularies")
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        types: list[int] = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        backend.decoder = decoders.ByteLevel()
-        special = [i for i, t in enumerate(types) if t == GGUF_TOKEN_CONTROL]
-        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
-        user = [tokens[i] for i, t in enumerate(types) if t == GGUF_TOKEN_USER_DEFINED]
-        backend.add_tokens([AddedToken(t, normalized=False) for t in user])
+        """The file's vocabulary (model/gguf_vocab.py), special ids and chat template."""
+        backend, special = gguf_backend(meta)
         eos = meta.get("tokenizer.ggml.eos_token_id")
         eot = meta.get("tokenizer.ggml.eot_token_id")
         return cls(
             backend=backend,
             bos_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_ids={int(i) for i in (eos, eot) if i is not None},
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")),
             chat_template=meta.get("tokenizer.chat_template"),
             special_ids=set(special),
         )

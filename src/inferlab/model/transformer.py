@@ -102,7 +102,9 @@ def rope_frequencies(config: ModelConfig, local: bool = False) -> tuple[Tensor, 
         factors = torch.tensor(s["long_factor"] if long else s["short_factor"], dtype=torch.float64)
         return (1.0 / (factors * theta ** exponents)).float(), float(s["attention_factor"])
     inv_freq = 1.0 / (theta ** exponents)
-    if kind == "linear":
+    if kind == "freq_factors":  # a GGUF's rope_freqs: llama.cpp divides each frequency by its factor
+        inv_freq = inv_freq / torch.tensor(s["factors"], dtype=torch.float64)
+    elif kind == "linear":
         inv_freq = inv_freq / s["factor"]
     elif kind == "llama3":
         factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]

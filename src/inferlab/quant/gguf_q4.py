@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from inferlab.model.config import ModelConfig
-from inferlab.model.loader import _open_gguf, unpermute_qk  # the loader's per-process parse of the file
+from inferlab.model.gguf_loader import linear_sources, open_gguf, unpermute_qk  # the loader's parse and layout
 
 Q4_1_GROUP = 32
 Codes = tuple[Tensor, Tensor, Tensor]  # codes uint8 (N, K), scales fp32 (N, G), mins fp32 (N, G)
@@ -43,27 +43,21 @@ def read_q4_1_linears(path: Path, config: ModelConfig) -> dict[str, Codes]:
     """Codes per decoder Linear (module names as in Transformer), for every layer whose parts are all Q4_1."""
     from gguf import GGMLQuantizationType
 
-    reader = _open_gguf(path)
+    reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
-    permute = reader.fields["general.architecture"].contents() == "llama"  # as in model/loader.py
+    arch = reader.fields["general.architecture"].contents()
 
-    def get(name: str, n_heads: int | None = None) -> Codes | None:
-        t = tensors[name]
+    def get(name: str, n_heads: int | None) -> Codes | None:
+        t = tensors[name + ".weight"]
         if t.tensor_type != GGMLQuantizationType.Q4_1:
             return None
         codes = q4_1_codes(t.data)
-        return _rows(codes, lambda w: unpermute_qk(w, n_heads)) if permute and n_heads else codes
+        return _rows(codes, lambda w: unpermute_qk(w, n_heads)) if n_heads else codes
 
-    sources = {
-        "attention.wqkv": [("attn_q", config.n_heads), ("attn_k", config.n_kv_heads), ("attn_v", None)],
-        "attention.wo": [("attn_output", None)],
-        "feed_forward.w13": [("ffn_gate", None), ("ffn_up", None)],
-        "feed_forward.w2": [("ffn_down", None)],
-    }
     found: dict[str, Codes] = {}
     for i in range(config.n_layers):
-        for ours, parts in sources.items():
-            codes = [get(f"blk.{i}.{name}.weight", heads) for name, heads in parts]
+        for ours, parts in linear_sources(config, arch, set(tensors), i).items():
+            codes = [get(name, heads) for name, heads in parts]
             if all(c is not None for c in codes):
                 found[f"layers.{i}.{ours}"] = _cat(codes)  # type: ignore[arg-type]
     return found
