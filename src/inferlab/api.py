@@ -15,12 +15,10 @@ from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.engine.speculative import build_speculation
 from inferlab.errors import InvalidRequestError, ModelLoadError
 from inferlab.model.loader import load_model
-from inferlab.paths import cache_dir, conf_dir
+from inferlab.paths import conf_dir
 from inferlab.quant import quantize_model
 
 CONF_DIR = conf_dir()
-# conf/ names the cache dir (paths.cache_dir: $INFERLAB_CACHE or the user's cache) as ${inferlab_cache:}
-OmegaConf.register_new_resolver("inferlab_cache", lambda: str(cache_dir()), replace=True)
 
 
 def compose(config_name: str = "engine", overrides: list[str] | None = None) -> DictConfig:

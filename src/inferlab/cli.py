@@ -9,7 +9,7 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from inferlab.api import CONF_DIR
+from inferlab.paths import conf_dir
 from inferlab.errors import InferlabError
 
 
@@ -27,6 +27,6 @@ def hydra_app(config_name: str) -> Callable[[Callable[[DictConfig], None]], Call
             except KeyboardInterrupt:
                 sys.exit(130)
 
-        return hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base=None)(guarded)
+        return hydra.main(config_path=str(conf_dir()), config_name=config_name, version_base=None)(guarded)
 
     return wrap

@@ -1,5 +1,6 @@
 """Where inferlab finds its configs and keeps what it builds or derives once: tokenized corpora, drafts,
-kernels, peer models. The same from any working directory, installed from a wheel or run from the repository."""
+kernels, peer models. The same from any working directory, installed from a wheel or run from the repository.
+Imports nothing heavy: the report and the load generator need these paths too."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 import platformdirs
+from omegaconf import OmegaConf
 
 
 def conf_dir() -> Path:
@@ -33,3 +35,7 @@ def sweeps_dir() -> Path:
         return Path(os.environ["INFERLAB_SWEEPS"])
     tree = source_tree()
     return (tree if tree is not None else Path.cwd()) / "sweeps"
+
+
+# conf/ names the cache dir as ${inferlab_cache:}; registered here, where every composition finds it
+OmegaConf.register_new_resolver("inferlab_cache", lambda: str(cache_dir()), replace=True)

@@ -195,10 +195,10 @@ class ModelDraftState(DraftState):
 
 def build_drafter(spec: dict[str, Any], model_name: str, target: Transformer, dtype: torch.dtype,
                   device: torch.device, gguf_path: Path | None = None) -> Drafter | None:
-    """The resolved `spec` config group -> a Drafter (None for spec=off). `gguf_path`: the target's file,
+    """The resolved `spec` config group -> a Drafter (None for spec=none or off). `gguf_path`: the target's file,
     whose Q4_1 blocks a spec=self int4 draft imports as they are."""
     name = spec["name"]
-    if name == "off":
+    if name == "none":
         return None
     if name == "ngram":
         return NgramDrafter(max_n=int(spec["ngram_max"]), min_n=int(spec["ngram_min"]))
@@ -209,7 +209,7 @@ def build_drafter(spec: dict[str, Any], model_name: str, target: Transformer, dt
     if name == "self":
         return ModelDrafter(self_draft(target, str(spec["draft_precision"]), gguf_path), "self",
                             float(spec["min_confidence"]))
-    raise ModelLoadError(f"unknown spec {name!r}: use spec=off, spec=ngram, spec=draft or spec=self")
+    raise ModelLoadError(f"unknown spec {name!r}: use spec=none (or off), spec=ngram, spec=draft or spec=self")
 
 
 def default_draft_dir(model_name: str) -> Path:

@@ -13,7 +13,7 @@ import pandas as pd
 import yaml
 from omegaconf import DictConfig
 
-from inferlab.api import CONF_DIR
+from inferlab.paths import conf_dir
 from inferlab.cli import hydra_app
 from inferlab.report.collect import collect
 from inferlab.report.plots import chart
@@ -48,7 +48,7 @@ def embed_headline(readme: Path, report_file: Path, studies: list[str]) -> bool:
 
 
 def study_specs() -> list[dict[str, Any]]:
-    specs = [yaml.safe_load(p.read_text()) for p in sorted((CONF_DIR / "study").glob("*.yaml"))]
+    specs = [yaml.safe_load(p.read_text()) for p in sorted((conf_dir() / "study").glob("*.yaml"))]
     return sorted(specs, key=lambda s: (s["report"].get("order", 99), s["name"]))
 
 
