@@ -108,3 +108,33 @@ def test_readme_quotes_the_headline_sections_of_the_report(outputs: Path, tmp_pa
     assert "| 4.50 " in kv and "(report/kv_speedup.png)" in kv  # the report's own table and chart
     assert "transformers" in text.split(README_START)[1]
     assert not embed_headline(tmp_path / "REPORT.md", report_file, ["peers"])  # no markers: left alone
+
+
+COMMITTED_CSV = NOTEBOOK.parents[1] / "outputs" / "report" / "results.csv"
+
+
+def test_every_study_charts_the_committed_results(tmp_path: Path):
+    from inferlab.report.build import study_specs
+    from inferlab.report.plots import chart
+
+    frame = pd.read_csv(COMMITTED_CSV)
+    for spec in study_specs():
+        assert "chart" in spec["report"], f"{spec['name']} has no chart"
+        rows = frame[(frame.study == spec["name"]) & (frame.status == "ok")]
+        if not rows.empty:
+            png = chart(rows, spec["report"]["chart"], spec["title"], tmp_path / f"{spec['name']}.png")
+            assert png.stat().st_size > 10_000
+
+
+def test_notebook_reads_the_committed_csv_on_a_fresh_clone(tmp_path: Path, monkeypatch):
+    outputs = tmp_path / "outputs"  # what a fresh clone has: no result.json, only the report's CSV
+    (outputs / "report").mkdir(parents=True)
+    (outputs / "report" / "results.csv").write_bytes(COMMITTED_CSV.read_bytes())
+    monkeypatch.setenv("INFERLAB_OUTPUTS", str(outputs))
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(notebook, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    images = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    studies = pd.read_csv(COMMITTED_CSV).query("status == 'ok'").study.nunique()
+    assert len(images) == studies
