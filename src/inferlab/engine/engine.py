@@ -240,7 +240,7 @@ class InferenceEngine:
                 raise InvalidRequestError("prompt must not be empty")
             messages = [{"role": "user", "content": str(prompt)}]
         if messages is not None:
-            if not any(m.get("content") for m in messages):
+            if not messages:
                 raise InvalidRequestError("messages must not be empty")
             return self.tokenizer.encode(self.tokenizer.render_chat(messages))
         if isinstance(prompt, str):

@@ -11,17 +11,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from inferlab.engine.engine import InferenceEngine, StreamEvent
+from inferlab.engine.engine import CONTEXT_MARGIN, InferenceEngine, StreamEvent
 from inferlab.errors import NotFoundError, ShuttingDownError
 from inferlab.server import openai, tokenize
+from inferlab.server.openapi import errors, install
 from inferlab.server.guards import BodySizeLimit, Gate, Guards, install_error_handlers
 from inferlab.server.metrics import RequestLog, ServerMetrics
-from inferlab.server.schemas import ErrorEnvelope, GenerateRequest, GenerateResponse, Usage
+from inferlab.server.schemas import GenerateRequest, GenerateResponse, Usage
 from inferlab.server.settings import ServerSettings
 from inferlab.server.streams import Dispatcher, EventStreamResponse
 
-ERRORS = {status: {"model": ErrorEnvelope} for status in (401, 413, 422, 429, 503, 504)}
-ERRORS_404 = {**ERRORS, 404: {"model": ErrorEnvelope}}
+GENERATION_ERRORS = (400, 401, 413, 422, 429, 500, 503, 504)
+TOKENIZE_ERRORS = (400, 401, 413, 422, 429, 503)
 
 
 def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: str) -> FastAPI:
@@ -30,41 +31,43 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
     guards = Guards(settings)
     metrics = ServerMetrics(settings.metrics_window, engine.stats)
     dispatcher = Dispatcher(engine, settings)
+    generation_errors = errors(settings, *GENERATION_ERRORS)
     app.state.guards = guards  # serve.py sets guards.draining when shutdown starts
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(Gate, guards=guards)  # outside the size limit: who may call comes before what they sent
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: it sees every response, 413s included
 
-    @app.get("/health")
+    @app.get("/health", responses=errors(settings, 503))
     def health() -> dict[str, str]:
         if guards.draining:
             raise ShuttingDownError("the server is shutting down")
         return {"status": "ok", "model": model_name}
 
-    @app.get("/metrics", response_class=Response, summary="Prometheus text format")
+    @app.get("/metrics", response_class=Response, summary="Prometheus text format",
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     def prometheus() -> Response:
         return Response(metrics.prometheus(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/metrics", responses=ERRORS)
+    @app.get("/v1/metrics", responses=errors(settings, 401))
     def json_metrics() -> dict[str, Any]:
         return metrics.snapshot()
 
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "inferlab", "root": model_name,
             "max_model_len": engine.config.max_seq_len}
 
-    @app.get("/v1/models", responses=ERRORS)
+    @app.get("/v1/models", responses=errors(settings, 401))
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [card]}
 
-    @app.get("/v1/models/{model_id:path}", responses=ERRORS_404)
+    @app.get("/v1/models/{model_id:path}", responses=errors(settings, 401, 404))
     def model(model_id: str) -> dict[str, Any]:
         if model_id != model_name:
             raise NotFoundError(f"model {model_id!r} is not served here; this server serves {model_name!r}",
                                 param="model")
         return card
 
-    @app.post("/v1/generate", responses=ERRORS)
+    @app.post("/v1/generate", responses=generation_errors)
     async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
         record = request.state.record
         job = await dispatcher.start(record, body.sampling_overrides(), body.max_new_tokens, body.prompt, body.chat)
@@ -77,14 +80,15 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
             ttft_ms=t.ttft_ms, tpot_ms=t.tpot_ms, tokens_per_sec=t.tokens_per_sec, total_ms=t.total_ms)
 
     @app.post("/v1/generate/stream", response_class=EventStreamResponse,
-              status_code=200, responses={200: {"content": {"text/event-stream": {}}}, **ERRORS})
+              status_code=200, responses={200: {"content": {"text/event-stream": {}}}, **generation_errors})
     async def generate_stream(body: GenerateRequest, request: Request) -> EventStreamResponse:
         job = await dispatcher.start(request.state.record, body.sampling_overrides(), body.max_new_tokens,
                                      body.prompt, body.chat)
         return EventStreamResponse(job.sse(native_chunks))
 
-    app.include_router(openai.router(dispatcher, model_name, ERRORS))
-    app.include_router(tokenize.router(engine, ERRORS))
+    app.include_router(openai.router(dispatcher, model_name, generation_errors))
+    app.include_router(tokenize.router(engine, errors(settings, *TOKENIZE_ERRORS)))
+    install(app, settings, engine.loaded.config.vocab_size, engine.config.max_seq_len - CONTEXT_MARGIN)
     return app
 
 

@@ -67,6 +67,7 @@ def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> A
         record = request.state.record
         messages = [m.as_template_input() for m in body.messages]
         sampling = {**body.sampling_overrides(), "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
+        dispatcher.check_cap("max_tokens", body.max_tokens)  # refused even where max_completion_tokens wins
         max_tokens = body.max_completion_tokens or body.max_tokens
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         prepared = [dispatcher.prepare(record, s, max_tokens, "", messages=messages, tokens_field=field)

@@ -1,10 +1,12 @@
 """Request and response bodies. The static limits live here (so the OpenAPI schema states them); the
-configurable caps (max_new_tokens_cap, max_prompt_chars) are checked in `streams.prepare`."""
+configurable caps (max_new_tokens_cap, max_prompt_chars) are checked in `streams.prepare` and written
+into the schema by server/openapi.py. Numbers and booleans must be JSON numbers and booleans: lax
+Pydantic would read "0.5", `true` or 1 as each other, which the schema does not allow."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
 from inferlab.engine.sampling import MAX_LOGPROBS
 
@@ -18,13 +20,20 @@ def _utf8(text: str) -> str:
     return text
 
 
+def _json_number(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("should be a number")
+    return value
+
+
+Number = BeforeValidator(_json_number)
 Text = Annotated[str, AfterValidator(_utf8)]
 Prompt = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]
-MaxTokens = Annotated[int | None, Field(ge=1)]  # at most server.max_new_tokens_cap
-Temperature = Annotated[float | None, Field(ge=0.0, le=2.0)]
-TopP = Annotated[float | None, Field(gt=0.0, le=1.0)]
-TopK = Annotated[int | None, Field(ge=0)]
-Seed = Annotated[int | None, Field(ge=0, le=2**63 - 1)]
+MaxTokens = Annotated[int, Field(ge=1), Number] | None  # at most server.max_new_tokens_cap
+Temperature = Annotated[float, Field(ge=0.0, le=2.0), Number] | None
+TopP = Annotated[float, Field(gt=0.0, le=1.0), Number] | None
+TopK = Annotated[int, Field(ge=0), Number] | None
+Seed = Annotated[int, Field(ge=0, le=2**53 - 1), Number] | None  # integers a JSON number holds exactly
 StopString = Annotated[str, Field(max_length=64), AfterValidator(_utf8)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=4)] | None
 
@@ -51,7 +60,7 @@ class GenerateRequest(Sampling):
 
     prompt: Prompt
     max_new_tokens: MaxTokens = None
-    chat: bool = Field(default=False, description="wrap the prompt as a user message in the model's chat template")
+    chat: StrictBool = Field(default=False, description="wrap the prompt as a user message in the model's chat template")
 
 
 class Usage(BaseModel):
@@ -94,11 +103,11 @@ def _refuse(value: Any) -> Any:
 
 
 Unsupported = Annotated[Any, AfterValidator(_refuse), Field(description="not supported: refused when set")]
-Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
-TokenId = Annotated[int, Field(ge=0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0), Number] | None
+TokenId = Annotated[int, Field(ge=0), Number]  # below the vocabulary size: server/openapi.py states it
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-TopLogprobs = Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)]
-CompletionMaxTokens = Annotated[int | None, Field(ge=0)]  # 0: echo only; at most server.max_new_tokens_cap
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Number] | None
+CompletionMaxTokens = Annotated[int, Field(ge=0), Number] | None  # 0: echo only; at most server.max_new_tokens_cap
 MAX_CHOICES = 16  # prompts x n engine requests one call may start
 
 
@@ -109,7 +118,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class OpenAIRequest(Sampling):
@@ -119,16 +128,16 @@ class OpenAIRequest(Sampling):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per prompt")
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES), Number] = Field(default=1, description="choices per prompt")
     presence_penalty: Penalty = None
     frequency_penalty: Penalty = None
-    repetition_penalty: Annotated[float | None, Field(gt=0.0, le=2.0)] = None
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]] | None,
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0), Number] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100), Number]] | None,
                           AfterValidator(_logit_bias)] = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0), Number] = 0
+    ignore_eos: StrictBool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
     tools: Unsupported = None
     tool_choice: Unsupported = None
@@ -153,9 +162,10 @@ class OpenAIRequest(Sampling):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: Prompt | TokenIds | Annotated[list[Prompt], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    prompt: Prompt | TokenIds | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_CHOICES)] | \
+        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
     max_tokens: CompletionMaxTokens = None
-    echo: bool = Field(default=False, description="the prompt's text (and logprobs) before the completion")
+    echo: StrictBool = Field(default=False, description="the prompt's text (and logprobs) before the completion")
     logprobs: TopLogprobs = Field(default=None, description="log-probabilities of each token and this many top ones")
     suffix: Unsupported = None
 
@@ -190,7 +200,7 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=256)]
     max_tokens: MaxTokens = None
     max_completion_tokens: MaxTokens = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: TopLogprobs = None
     response_format: ResponseFormat | None = None
     parallel_tool_calls: Unsupported = None

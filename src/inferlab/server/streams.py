@@ -67,11 +67,9 @@ class Dispatcher:
         chars = (len(prompt) if isinstance(prompt, str) else 0) + sum(len(m["content"]) for m in messages or ())
         if chars > settings.max_prompt_chars:
             raise InvalidRequestError(f"prompt: {chars} characters, more than this server's {settings.max_prompt_chars}")
-        cap = settings.max_new_tokens_cap
-        if max_new_tokens is not None and max_new_tokens > cap:
-            raise InvalidRequestError(f"{tokens_field}: {max_new_tokens} is more than this server's cap of {cap}")
+        self.check_cap(tokens_field, max_new_tokens)
         params = engine.sampling_params(max_new_tokens=max_new_tokens, **sampling)
-        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, cap))
+        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, settings.max_new_tokens_cap))
         try:
             prompt_ids = engine.encode_prompt(prompt, chat, messages)
         except ValueError as e:  # the chat template refused the messages
@@ -79,6 +77,11 @@ class Dispatcher:
         engine.check_prompt(prompt_ids)
         record.prompt_tokens += len(prompt_ids)
         return prompt_ids, params
+
+    def check_cap(self, field: str, max_new_tokens: int | None) -> None:
+        cap = self.settings.max_new_tokens_cap
+        if max_new_tokens is not None and max_new_tokens > cap:
+            raise InvalidRequestError(f"{field}: {max_new_tokens} is more than this server's cap of {cap}")
 
 
 @dataclasses.dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from inferlab.engine.engine import InferenceEngine
 from inferlab.errors import InvalidRequestError
@@ -20,9 +20,9 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: Annotated[Text, Field(max_length=65536)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=256)] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
 class TokenizeResponse(BaseModel):

@@ -25,7 +25,7 @@ def describe(errors: Iterable[dict[str, Any]]) -> str:
         by_field.setdefault(field_path(error["loc"]), []).append(error)
     problems = []
     for field, found in list(by_field.items())[:MAX_PROBLEMS]:
-        specific = [e for e in found if not e["type"].endswith("_type")] or found
+        specific = [e for e in found if not (e["type"].endswith("_type") or e["type"] == "none_required")] or found
         messages = list(dict.fromkeys(message(e) for e in specific))
         if all(m.startswith("should be ") for m in messages):  # should be a string or a list
             messages[1:] = [m.removeprefix("should be ") for m in messages[1:]]
