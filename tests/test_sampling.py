@@ -63,9 +63,21 @@ def test_every_accepted_value_gives_a_distribution_that_keeps_the_top_token(top_
         for top_k in (0, 1, 10**9):
             p = params(temperature=temperature, top_p=top_p, top_k=top_k)
             probs = probabilities(logits, p)
-            assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
+            assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0, abs=1e-5)
             assert probs[int(torch.argmax(logits))] > 0
             assert 0 <= sample(logits, p, p.make_generator(torch.device("cpu"))) < logits.shape[-1]
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-30, 2.0])
+def test_a_tiny_repetition_penalty_keeps_the_distribution_finite(penalty):
+    """Found by schemathesis: repetition_penalty=5e-324 divided seen tokens' logits to inf, and sampling hit nan."""
+    from inferlab.engine.logits import process_logits
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(0)) * 5
+    p = SamplingParams(max_new_tokens=4, temperature=1.0, repetition_penalty=penalty, logit_bias={3: 5.0, 10**6: 1.0},
+                       min_tokens=2)
+    processed = process_logits(logits, p, prompt_ids=[1, 2, 3], output_ids=[4], stop_ids={5, 10**6})
+    probs = probabilities(processed, p)
+    assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0, abs=1e-5) and probs[5] == 0
 
 
 def test_seed_reproduces_and_differs(tiny_tokenizer):

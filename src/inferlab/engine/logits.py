@@ -36,17 +36,20 @@ def process_logits(logits: Tensor, params: SamplingParams, prompt_ids: list[int]
         return logits
     logits = logits.float().clone()
     vocab = logits.shape[-1]
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=logits.device)
-        logits[ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device)
-    if len(output_ids) < params.min_tokens and stop_ids:
-        logits[torch.tensor(sorted(stop_ids), device=logits.device)] = float("-inf")
+    # ids the vocabulary does not have (a client may name any) can never be sampled: they change nothing
+    bias = {t: b for t, b in params.logit_bias.items() if t < vocab}
+    if bias:
+        logits[torch.tensor(list(bias), device=logits.device)] += torch.tensor(list(bias.values()), device=logits.device)
+    stops = sorted(t for t in stop_ids if t < vocab)
+    if len(output_ids) < params.min_tokens and stops:
+        logits[torch.tensor(stops, device=logits.device)] = float("-inf")
     counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long, device=logits.device), minlength=vocab)
     if params.repetition_penalty != 1.0:
         seen = counts > 0
         seen[torch.tensor(prompt_ids, dtype=torch.long, device=logits.device)] = True
         p = params.repetition_penalty
         logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+        logits.clamp_(max=torch.finfo(logits.dtype).max)  # a tiny penalty (say 1e-300) must not divide to inf
     if params.frequency_penalty or params.presence_penalty:
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
     return logits

@@ -87,7 +87,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
         return EventStreamResponse(job.sse(native_chunks))
 
     app.include_router(openai.router(dispatcher, model_name, generation_errors))
-    app.include_router(tokenize.router(engine, errors(settings, *TOKENIZE_ERRORS)))
+    app.include_router(tokenize.router(engine, errors(settings, *TOKENIZE_ERRORS), settings.max_prompt_chars))
     install(app, settings, engine.loaded.config.vocab_size, engine.config.max_seq_len - CONTEXT_MARGIN)
     return app
 

@@ -15,6 +15,7 @@ from inferlab.server.settings import ServerSettings
 ERRORS = {
     400: "the body could not be read (not UTF-8 text)",
     401: "missing or wrong API key (`Authorization: Bearer KEY`)",
+    404: "no such model here",
     413: "body over server.max_body_bytes",
     422: "invalid input: `field: what is wrong`",
     429: "rate limit exceeded; Retry-After says when to retry",
@@ -26,10 +27,11 @@ HEADERS = {
     401: {"WWW-Authenticate": {"description": "the scheme to use", "required": True, "schema": {"type": "string"}}},
     429: {"Retry-After": {"description": "seconds", "required": True, "schema": {"type": "integer"}}},
 }
-TOKEN_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens")
+TOKEN_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens", "min_tokens")
 PROMPT_FIELDS = (("GenerateRequest", "prompt"), ("CompletionRequest", "prompt"), ("ChatMessage", "content"),
                  ("TextPart", "text"))
 TOKEN_ID_FIELDS = (("CompletionRequest", "prompt"), ("DetokenizeRequest", "tokens"))
+TOKEN_PROMPT_FIELDS = (("CompletionRequest", "prompt"),)
 SSE_EVENT = {  # one event of a stream: a JSON chunk, an error envelope, or [DONE] last
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "description": "a JSON chunk (or an error envelope), then [DONE]"}}}
@@ -56,6 +58,8 @@ def finish(schema: dict[str, Any], settings: ServerSettings, vocab_size: int, ma
     for name, field in TOKEN_ID_FIELDS:  # token ids: in the vocabulary, a prompt's within the context
         if name in models:
             bound(models[name]["properties"][field], "integer", "maximum", vocab_size - 1)
+    for name, field in TOKEN_PROMPT_FIELDS:
+        if name in models:
             for array in token_arrays(models[name]["properties"][field]):
                 array["maxItems"] = min(array.get("maxItems", max_prompt_tokens), max_prompt_tokens)
     for model in models.values():
@@ -104,6 +108,7 @@ def token_arrays(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """The arrays of integers (token ids) in a (union or array) schema."""
     if schema.get("type") == "array" and schema.get("items", {}).get("type") == "integer":
         yield schema
-    for branch in schema.get("anyOf", []) + schema.get("oneOf", []) + [schema.get("items", {})]:
+    items = [schema["items"]] if isinstance(schema.get("items"), dict) else []
+    for branch in schema.get("anyOf", []) + schema.get("oneOf", []) + items:
         yield from token_arrays(branch)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, WithJsonSchema
 
 from inferlab.engine.sampling import MAX_LOGPROBS
 
@@ -102,19 +102,18 @@ def _refuse(value: Any) -> Any:
     return value
 
 
-Unsupported = Annotated[Any, AfterValidator(_refuse), Field(description="not supported: refused when set")]
+Unsupported = Annotated[Any, AfterValidator(_refuse), WithJsonSchema({"type": "null"}),
+                        Field(description="not supported: refused when set")]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0), Number] | None
 TokenId = Annotated[int, Field(ge=0), Number]  # below the vocabulary size: server/openapi.py states it
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Number] | None
 CompletionMaxTokens = Annotated[int, Field(ge=0), Number] | None  # 0: echo only; at most server.max_new_tokens_cap
 MAX_CHOICES = 16  # prompts x n engine requests one call may start
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
-    if bias and any(not k.isdigit() for k in bias):
-        raise ValueError("keys must be token ids")
-    return bias
+TOKEN_KEY = r"^[0-9]{1,9}$"
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=TOKEN_KEY)], Annotated[float, Field(ge=-100, le=100), Number]],
+                      WithJsonSchema({"type": "object", "propertyNames": {"pattern": TOKEN_KEY},
+                                      "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})]
 
 
 class StreamOptions(BaseModel):
@@ -130,12 +129,13 @@ class OpenAIRequest(Sampling):
     model: str | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_CHOICES), Number] = Field(default=1, description="choices per prompt")
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES), Number] = Field(
+        default=1, description=f"choices per prompt; prompts x n at most {MAX_CHOICES}")
     presence_penalty: Penalty = None
     frequency_penalty: Penalty = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0), Number] | None = None
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100), Number]] | None,
-                          AfterValidator(_logit_bias)] = None
+    logit_bias: LogitBias | None = Field(
+        default=None, description="token id -> bias added to its logit (ids outside the vocabulary change nothing)")
     min_tokens: Annotated[int, Field(ge=0), Number] = 0
     ignore_eos: StrictBool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
@@ -161,7 +161,16 @@ class OpenAIRequest(Sampling):
                 "stop_token_ids": self.stop_token_ids or []}
 
 
+ECHO_ONLY = {"if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},  # 0 only with echo
+             "then": {"required": ["echo"], "properties": {"echo": {"const": True}}}}
+CHOICES = [{"if": {"required": ["prompt"],  # a batch of k prompts allows n up to MAX_CHOICES // k
+                   "properties": {"prompt": {"type": "array", "minItems": k, "items": {"type": ["string", "array"]}}}},
+            "then": {"properties": {"n": {"maximum": MAX_CHOICES // k}}}} for k in range(2, MAX_CHOICES + 1)]
+
+
 class CompletionRequest(OpenAIRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [ECHO_ONLY, *CHOICES]})
+
     prompt: Prompt | TokenIds | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_CHOICES)] | \
         Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
     max_tokens: CompletionMaxTokens = None
@@ -197,6 +206,10 @@ class ResponseFormat(BaseModel):
 
 
 class ChatCompletionRequest(OpenAIRequest):
+    model_config = ConfigDict(json_schema_extra={  # top_logprobs only with logprobs
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=256)]
     max_tokens: MaxTokens = None
     max_completion_tokens: MaxTokens = None

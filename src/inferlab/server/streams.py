@@ -68,8 +68,11 @@ class Dispatcher:
         if chars > settings.max_prompt_chars:
             raise InvalidRequestError(f"prompt: {chars} characters, more than this server's {settings.max_prompt_chars}")
         self.check_cap(tokens_field, max_new_tokens)
-        params = engine.sampling_params(max_new_tokens=max_new_tokens, **sampling)
-        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, settings.max_new_tokens_cap))
+        self.check_cap("min_tokens", min_tokens := sampling.get("min_tokens") or 0)
+        params = engine.sampling_params(max_new_tokens=max_new_tokens, **{**sampling, "min_tokens": 0})
+        limit = min(params.max_new_tokens, settings.max_new_tokens_cap)
+        # min_tokens past the tokens that will be generated asks for all of them
+        params = dataclasses.replace(params, max_new_tokens=limit, min_tokens=min(min_tokens, limit))
         try:
             prompt_ids = engine.encode_prompt(prompt, chat, messages)
         except ValueError as e:  # the chat template refused the messages

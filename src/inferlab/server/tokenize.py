@@ -15,7 +15,9 @@ from inferlab.server.schemas import ChatMessage, Text, TokenId
 class TokenizeRequest(BaseModel):
     """Raw text (`prompt`) or chat `messages` rendered with the model's template, as vLLM takes them."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [  # exactly one of the two
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
 
     model: str | None = None
     prompt: Annotated[Text, Field(max_length=65536)] | None = None
@@ -43,7 +45,8 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def router(engine: InferenceEngine, errors: dict[int, Any]) -> APIRouter:
+def router(engine: InferenceEngine, errors: dict[int, Any], max_prompt_chars: int) -> APIRouter:
+    """`max_prompt_chars`: messages are held to the chat route's limit (their schema is shared)."""
     routes = APIRouter(responses=errors)
     tokenizer = engine.tokenizer
 
@@ -52,8 +55,13 @@ def router(engine: InferenceEngine, errors: dict[int, Any]) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
+            messages = [m.as_template_input() for m in body.messages]
+            chars = sum(len(m["content"]) for m in messages)
+            if chars > max_prompt_chars:
+                raise InvalidRequestError(f"messages: {chars} characters, more than this server's {max_prompt_chars}",
+                                          param="messages")
             try:
-                text = tokenizer.render_chat([m.as_template_input() for m in body.messages], body.add_generation_prompt)
+                text = tokenizer.render_chat(messages, body.add_generation_prompt)
             except ValueError as e:
                 raise InvalidRequestError(str(e).splitlines()[0], param="messages") from None
             ids = tokenizer.encode(text)
