@@ -7,6 +7,8 @@ from torch import nn
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
+from inferlab.kernels.build import active_isa, load_isa, use_isa
+from inferlab.kernels.isa import ISAS, cpu_flags, supported_isas
 from inferlab.kernels.select import select_kernels
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
@@ -37,6 +39,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(params=list(ISAS))
+def isa(request) -> str:
+    """Each instruction set the kernels are built for, made the one this process calls for the test; the
+    ones this CPU lacks skip, saying which flags are missing."""
+    name = request.param
+    if name not in supported_isas():
+        pytest.skip(f"{name}: this CPU lacks {', '.join(sorted(set(ISAS[name].cpu_flags) - cpu_flags()))}")
+    if not load_isa(name):
+        pytest.skip("no C++ toolchain here")
+    before = active_isa()
+    use_isa(name)
+    yield name
+    use_isa(before.name if before else "auto")
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,8 @@ import pytest
 from conftest import tiny_model
 
 from inferlab.bench.studies.profile import phase_weight_bytes
+from inferlab.kernels.build import cpu_gemv_available
+from inferlab.kernels.isa import supported_isas
 from inferlab.quant.apply import module_bytes, weight_bytes
 from inferlab.report.build import build
 
@@ -86,6 +88,9 @@ def test_server_target_starts_drives_and_stops_a_real_server(tmp_path: Path):
 def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path: Path):
     result = one_ok_result(tmp_path, "study=peers", "size=smoke", "model=smollm2-135m", "precision=int8",
                            "measure.repeats=2")
+    inferlab = [row for row in result["rows"] if row["engine"] == "inferlab"]
+    expected = supported_isas()[::-1] if cpu_gemv_available() else ["cpu"]  # the job's own (auto: the widest) first
+    assert [row["isa"] for row in inferlab] == expected
     rows = {row["engine"]: row for row in result["rows"]}
     assert set(rows) == {"inferlab", "transformers", "llama.cpp"}
     assert rows["transformers"]["decode_tok_s"] is None and "no int8 path" in rows["transformers"]["note"]

@@ -1,4 +1,5 @@
-"""The CPU decode kernel (kernels/csrc/gemv.cpp) against the portable reference it replaces."""
+"""The CPU decode kernels (kernels/csrc/), each build this CPU runs (the `isa` fixture), against the portable
+reference they replace."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,9 +41,13 @@ def int16_code_error(x, weight):
 @pytest.mark.parametrize("weight_kind", ["dense", "int8", "int4"])
 @pytest.mark.parametrize("rows", range(1, GEMV_MAX_ROWS + 1))
 @pytest.mark.parametrize("extras", ["none", "bias", "norm", "bias+norm", "gated"])
-def test_gemv_equals_reference(dtype, weight_kind, rows, extras):
+def test_gemv_equals_reference(isa, dtype, weight_kind, rows, extras):
     torch.manual_seed(rows)
-    n, k = 203, 96  # 203 rows: the 4-row tiles leave a tail
+    # 203 rows: the 4-row tiles leave a tail; K = 80 ends in half a 32-weight step, K = 96 in half a 64-column
+    # int4 step (AVX-512's widths); int4 groups of 32 to 128
+    n, k, group_size = 203, 96 if rows % 2 else 80, 32
+    if weight_kind == "int4" and rows % 2 == 0:
+        k, group_size = {2: (128, 32), 4: (128, 64), 6: (128, 32), 8: (256, 128)}[rows]
     gated = extras == "gated"
     x = torch.randn(1, rows, 2 * k if gated else k).to(dtype)
     mins = None
@@ -50,7 +55,6 @@ def test_gemv_equals_reference(dtype, weight_kind, rows, extras):
         weight, scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) / 100
         dense = weight.double() * scales.double()[:, None]
     elif weight_kind == "int4":
-        group_size = 32
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scales, mins = torch.rand(n, k // group_size) / 50, -torch.rand(n, k // group_size) / 7
         weight, dense = pack_nibbles(codes), dequantize_groups_int4(codes, scales, mins)
@@ -73,7 +77,7 @@ def test_gemv_equals_reference(dtype, weight_kind, rows, extras):
 
 
 @needs_gemv
-def test_gemv_leaves_its_input_alone_and_refuses_what_it_does_not_cover():
+def test_gemv_leaves_its_input_alone_and_refuses_what_it_does_not_cover(isa):
     x = torch.randn(1, 64)
     before = x.clone()
     gemv(x, torch.randn(10, 64), None, None, RMSNorm(64, 1e-6), False)
@@ -89,7 +93,7 @@ def test_gemv_leaves_its_input_alone_and_refuses_what_it_does_not_cover():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [640, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
-def test_decode_attention_writes_the_step_and_equals_sdpa(dtype, block_size, heads):
+def test_decode_attention_writes_the_step_and_equals_sdpa(isa, dtype, block_size, heads):
     """One query per sequence, each at its own length, over blocks of a shared pool found through its block
     table (one 640-token block per slot is the contiguous cache), GQA groups."""
     torch.manual_seed(block_size)
@@ -115,7 +119,7 @@ def test_decode_attention_writes_the_step_and_equals_sdpa(dtype, block_size, hea
 
 @needs_gemv
 @pytest.mark.parametrize("shape", [(1, 64), (1, 3, 64), (2, 7, 64), (40, 64)])
-def test_gemv_linear_matches_the_unfused_ops_for_any_batch(shape):
+def test_gemv_linear_matches_the_unfused_ops_for_any_batch(isa, shape):
     """Few rows take the kernel, more rows `F.linear`: either way linear(norm(x)), linear(silu(g) * u)."""
     torch.manual_seed(0)
     linear, norm = nn.Linear(64, 72, bias=True), RMSNorm(64, 1e-6)
@@ -132,7 +136,7 @@ def test_gemv_linear_matches_the_unfused_ops_for_any_batch(shape):
 
 @needs_gemv
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_engine_with_fast_kernels_matches_portable_engine(tiny_tokenizer, dtype):
+def test_engine_with_fast_kernels_matches_portable_engine(isa, tiny_tokenizer, dtype):
     """Prefill (F.linear) then 20 decode steps (the kernel): the same logits and greedy tokens as F.linear."""
     reference, fast = tiny_engine(tiny_tokenizer, dtype=dtype), tiny_engine(tiny_tokenizer, dtype=dtype)
     assert select_kernels(reference.model, torch.device("cpu"), dtype, "portable") == []
@@ -152,7 +156,7 @@ def test_engine_with_fast_kernels_matches_portable_engine(tiny_tokenizer, dtype)
 
 
 @needs_gemv
-def test_int8_layer_kernel_matches_its_dequantized_reference():
+def test_int8_layer_kernel_matches_its_dequantized_reference(isa):
     torch.manual_seed(0)
     layer = Int8Linear(nn.Linear(96, 130, bias=True))
     x = torch.randn(1, 1, 96)

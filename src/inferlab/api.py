@@ -8,7 +8,7 @@ from torch import nn
 from omegaconf import DictConfig, OmegaConf
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
-from inferlab.kernels.select import select_kernels
+from inferlab.kernels.select import choose_isa, select_kernels
 from inferlab.engine.paged import blocks_for_budget
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
@@ -60,6 +60,7 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
         raise ModelLoadError("model=local needs model.path=DIR or FILE.gguf")
     if cfg.cache.prefix and cfg.cache.mode != "paged":
         raise InvalidRequestError(f"cache.prefix=true needs cache=paged (got cache={cfg.cache.mode})")
+    choose_isa(device, cfg.device.kernels, cfg.device.isa)
     loaded = load_model(model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0)
     if cfg.precision.quant:
         quantize_model(loaded.model, cfg.precision.quant, cfg.precision.get("group_size"), loaded.gguf_path)

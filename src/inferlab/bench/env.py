@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from inferlab.kernels.isa import supported_isas
+
 from inferlab.paths import source_tree
 
 
@@ -17,6 +19,7 @@ def environment() -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     return {
         "cpu_model": _cpu_model(),
+        "cpu_isa": (supported_isas() or ["none"])[-1],  # the widest instruction set inferlab's kernels run here
         "cpu_cores": os.cpu_count(),
         "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

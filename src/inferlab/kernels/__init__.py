@@ -1,6 +1,7 @@
 """The CPU kernels and the Python that builds, picks and calls them; depends on model/ only.
 
-build (compile and load csrc/ once per machine, and which kernels apply to a device), gemv (the
+isa (the instruction sets the kernels are built for, and which this CPU runs), build (compile and load csrc/
+once per machine and instruction set, choose the one a process calls, and which kernels apply to a device), gemv (the
 matrix-vector products per weight format), attention (single-query attention through block tables),
 fused_decode (the whole decode step in one C++ call), aten (aten's integer matmuls and their weight
 layouts), huge_pages (the weights on 2 MiB pages), select (swap a model's layers onto the kernels).

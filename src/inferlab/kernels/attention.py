@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from inferlab.kernels.build import fast_kernels_apply
+from inferlab.kernels.build import fast_kernels_apply, kernel_ops
 
 DECODE_ATTENTION_MAX_HEAD_DIM = 256
 
@@ -25,4 +25,4 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Te
     place (the contiguous cache is one max_seq_len block per slot); block_tables: (B, n) int64;
     positions: (B,) int64; H a multiple of H_kv -> (B, H, 1, D)
     """
-    return torch.ops.inferlab.decode_attention(q, k, v, k_pool, v_pool, block_tables, positions, q.shape[-1] ** -0.5)
+    return kernel_ops().decode_attention(q, k, v, k_pool, v_pool, block_tables, positions, q.shape[-1] ** -0.5)

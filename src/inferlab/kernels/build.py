@@ -1,13 +1,16 @@
-"""Build and load the C++ kernels (csrc/) once per machine, and say where they apply (`device.kernels`).
+"""Build and load the C++ kernels (csrc/) once per machine and instruction set, pick the set a process
+runs (`device.isa`), and say where they apply (`device.kernels`).
 
 Decoding multiplies a handful of activation rows by every weight matrix, so its speed is how fast
 the weights stream from memory. On CPU the library paths fall well short of that for these
 matrix-vector products (measured on the 121 matrices of SmolLM2-135M, 2 threads: F.linear fp32
-13.5 GB/s, oneDNN-prepacked 17.3, this kernel 22.9), so inferlab builds its own AVX2 kernels on first
+13.5 GB/s, oneDNN-prepacked 17.3, this kernel 22.9), so inferlab builds its own kernels on first
 use and caches the build: csrc/gemv.h (fp32, bf16, int8 and int4 weights, one pass over each row;
 gemv.py), csrc/attention.h (one query per sequence through block tables; attention.py) and
-csrc/decode_step.cpp (the whole decode step; fused_decode.py). Nothing here runs at import: the build
-happens on the first call that asks whether the kernels are there.
+csrc/decode_step.cpp (the whole decode step; fused_decode.py). Each instruction set of isa.py is its
+own build (cache/kernels/torch-<version>/<isa>/) with its own op library (torch.ops.inferlab_<isa>);
+the process calls one of them, chosen once at load (`use_isa`) and logged. Nothing here runs at
+import: the build happens on the first call that asks whether the kernels are there.
 `kernels=portable`, other devices, and machines without AVX2 or a C++ compiler keep `F.linear`.
 """
 from __future__ import annotations
@@ -18,11 +21,13 @@ import logging
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from inferlab.errors import InvalidRequestError
+from inferlab.kernels.isa import ISAS, Isa, resolve_isa, supported_isas
 from inferlab.paths import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
@@ -32,36 +37,47 @@ KERNEL_CHOICES = ("fast", "portable")
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Choice:
+    """The build this process calls."""
+
+    made: bool = False
+    isa: Isa | None = None  # None: no kernels (portable path)
+
+
+_choice = Choice()
+
+
 @functools.cache
-def cpu_gemv_available() -> bool:
-    """Build (first call on a machine: ~30 s; then cached) and load the AVX2 kernels; False where they cannot."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return False
+def load_isa(name: str) -> bool:
+    """Build (first call on a machine: ~1 min; then cached) and load the kernels for one instruction set;
+    False where they cannot be built (no compiler, no ninja)."""
+    isa = ISAS[name]
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
-    build_dir = kernels_build_dir()
+    build_dir = kernels_build_dir(isa)
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
-        print("inferlab: building the CPU decode kernels (once per machine) ...", file=sys.stderr, flush=True)
+        print(f"inferlab: building the CPU decode kernels for {isa.about} (once per machine) ...", file=sys.stderr,
+              flush=True)
     try:
         # -fopenmp for at::parallel_for's pragmas: the process's libgomp is torch's, so the threads are torch's
-        load(name="inferlab_kernels", sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False)
+        load(name=f"inferlab_kernels_{isa.name}", sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
+             extra_cflags=["-O3", *isa.cflags, "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as error:  # no compiler, no ninja: the portable path serves
         log.warning("CPU decode kernels unavailable (%s); using F.linear", str(error).splitlines()[0])
         return False
     return True
 
 
-def kernels_build_dir() -> Path:
-    """Where the build is cached: per torch version and per content of csrc/, so checkouts and versions that
-    share the user cache dir never load each other's build."""
+def kernels_build_dir(isa: Isa) -> Path:
+    """Where a build is cached: per instruction set, torch version and content of csrc/, so checkouts and
+    versions that share the user cache dir never load each other's build."""
     digest = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return cache_dir() / "kernels" / f"torch-{torch.__version__}-{digest.hexdigest()[:12]}"
+    return cache_dir() / "kernels" / f"torch-{torch.__version__}-{digest.hexdigest()[:12]}" / isa.name
 
 
 def _put_ninja_on_path() -> None:
@@ -73,6 +89,41 @@ def _put_ninja_on_path() -> None:
         except ImportError:
             return
         os.environ["PATH"] = os.pathsep.join(filter(None, (ninja.BIN_DIR, os.environ.get("PATH"))))
+
+
+def use_isa(requested: str = "auto") -> str | None:
+    """Choose (and build) the kernels this process calls: `device.isa` = auto (the widest this CPU runs),
+    avx2 or avx512. Returns the chosen instruction set, or None where no kernels can run (the portable
+    path serves). A named set the CPU lacks raises InvalidRequestError."""
+    named = resolve_isa(requested)  # checks the name, and that this CPU runs it
+    # auto falls back to a narrower build where a wider one does not build (a compiler without AVX-512 BF16)
+    candidates = [ISAS[name] for name in reversed(supported_isas())] if requested == "auto" else [named]
+    isa = next((c for c in candidates if load_isa(c.name)), None)
+    log.info("CPU decode kernels: %s (device.isa=%s)", isa.about if isa else "none, F.linear serves", requested)
+    _choice.made, _choice.isa = True, isa
+    return isa.name if isa else None
+
+
+def active_isa() -> Isa | None:
+    """The build this process calls (chosen at first use, when no engine chose one: device.isa=auto)."""
+    if not _choice.made:
+        use_isa("auto")
+    return _choice.isa
+
+
+def cpu_gemv_available() -> bool:
+    """The kernels are built and loaded for this CPU."""
+    return active_isa() is not None
+
+
+def kernel_ops():
+    """The chosen build's ops: kernel_ops().gemv, .decode_attention."""
+    return getattr(torch.ops, active_isa().ops)
+
+
+def kernel_classes():
+    """The chosen build's classes: kernel_classes().DecodePlan."""
+    return getattr(torch.classes, active_isa().ops)
 
 
 def fast_kernels_apply(device: torch.device, dtype: torch.dtype, kernels: str) -> bool:

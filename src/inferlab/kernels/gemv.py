@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferlab.kernels.build import cpu_gemv_available
+from inferlab.kernels.build import cpu_gemv_available, kernel_ops
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm, swiglu
 
@@ -35,7 +35,7 @@ def gemv(x: Tensor, weight: Tensor, scales: Tensor | None, bias: Tensor | None, 
     read off their shape).
     """
     norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
-    return torch.ops.inferlab.gemv(x, weight, scales, bias, norm_weight, eps, mins, gated)
+    return kernel_ops().gemv(x, weight, scales, bias, norm_weight, eps, mins, gated)
 
 
 def prepared_input(x: Tensor, norm: RMSNorm | None, gated: bool) -> Tensor:

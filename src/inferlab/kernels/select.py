@@ -1,4 +1,4 @@
-"""Put a model's layers on the kernels chosen for its device, once at load (`device.kernels`)."""
+"""Put a model's layers on the kernels chosen for its device, once at load (`device.kernels`, `device.isa`)."""
 from __future__ import annotations
 
 import logging
@@ -6,12 +6,22 @@ import logging
 import torch
 from torch import nn
 
-from inferlab.kernels.build import fast_kernels_apply
+from inferlab.kernels.build import fast_kernels_apply, use_isa
 from inferlab.kernels.gemv import GemvLinear
 from inferlab.kernels.huge_pages import move_weights_to_huge_pages
+from inferlab.kernels.isa import resolve_isa
 from inferlab.kernels.layer import KernelLayer
 
 log = logging.getLogger(__name__)
+
+
+def choose_isa(device: torch.device, kernels: str, isa: str) -> str | None:
+    """Check `device.isa`; where the CPU kernels will run (CPU, `kernels=fast`), choose and build that
+    instruction set's kernels now, before quantizing or swapping any layer. Returns the one chosen."""
+    resolve_isa(isa)  # a name the CPU lacks, or no such name: one clear line, on any device
+    if device.type != "cpu" or kernels != "fast":
+        return None
+    return use_isa(isa)
 
 
 def select_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str) -> list[str]:

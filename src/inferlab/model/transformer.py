@@ -117,6 +117,18 @@ def rope_frequencies(config: ModelConfig, local: bool = False) -> tuple[Tensor, 
     return inv_freq.float(), 1.0
 
 
+def rope_tables(config: ModelConfig, device: torch.device, local: bool = False) -> tuple[Tensor, Tensor]:
+    """cos, sin (max_seq_len, rotary_dim) in fp32, sin negated on its first half (the rotate-half sign of
+    apply_rope)."""
+    inv_freq, scale = rope_frequencies(config, local)
+    positions = torch.arange(config.max_seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, inv_freq.to(device))
+    angles = torch.cat((angles, angles), dim=-1)
+    sin = angles.sin() * scale
+    sin[:, : config.rotary_dim // 2] *= -1
+    return angles.cos() * scale, sin
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x: (B, H, T, D); cos, sin: (B, 1, T, R), R <= D rotated dims, sin negated on its first half
     # (Transformer.reset_rope). Rotate-half layout, as HF checkpoints store q/k: x * cos + (-x2, x1) * sin
@@ -246,13 +258,8 @@ class Transformer(nn.Module):
         tables = {"rope": False, "rope_local": True} if self.config.rope_local_theta else {"rope": False}
         weight = self.tok_embeddings.weight
         for name, local in tables.items():
-            inv_freq, scale = rope_frequencies(self.config, local)
-            positions = torch.arange(self.config.max_seq_len, dtype=torch.float32, device=weight.device)
-            angles = torch.outer(positions, inv_freq.to(weight.device))
-            angles = torch.cat((angles, angles), dim=-1)  # (max_seq_len, rotary_dim)
-            sin = angles.sin() * scale
-            sin[:, : self.config.rotary_dim // 2] *= -1  # the rotate-half sign (apply_rope)
-            self.register_buffer(f"{name}_cos", (angles.cos() * scale).to(weight.dtype), persistent=False)
+            cos, sin = rope_tables(self.config, weight.device, local)
+            self.register_buffer(f"{name}_cos", cos.to(weight.dtype), persistent=False)
             self.register_buffer(f"{name}_sin", sin.to(weight.dtype), persistent=False)
 
     def forward(self, tokens: Tensor, positions: Tensor, attend: Attend = causal_attend,

@@ -18,7 +18,7 @@ from inferlab.cli import hydra_app
 from inferlab.report.collect import collect
 from inferlab.report.plots import chart
 
-ENV_COLUMNS = {"cpu_model": "CPU", "gpu": "GPU", "torch_threads": "torch threads", "git_commit": "commit"}
+ENV_COLUMNS = {"cpu_model": "CPU", "cpu_isa": "CPU ISA (kernels)", "gpu": "GPU", "torch_threads": "torch threads", "git_commit": "commit"}
 
 
 @hydra_app("report")

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 META = ("study", "sweep", "status", "error", "size", "model", "precision", "cache", "spec", "target", "load",
-        "device", "timestamp", "git_commit", "cpu_model", "gpu", "torch_threads", "job")
+        "device", "timestamp", "git_commit", "cpu_model", "cpu_isa", "gpu", "torch_threads", "job")
 IGNORED_OVERRIDES = ("results_root", "hydra.")
 
 
@@ -58,7 +58,7 @@ def _meta(result: dict[str, Any]) -> dict[str, Any]:
             "error": result.get("error"), "size": config.get("measure", {}).get("size"),
             **{k: choices.get(k) for k in ("model", "precision", "cache", "spec", "target", "load", "device")},
             "timestamp": env.get("timestamp"), "git_commit": (env.get("git_commit") or "")[:10],
-            "cpu_model": env.get("cpu_model"), "gpu": env.get("gpu"), "torch_threads": env.get("torch_threads"), "job": result["job"]}
+            "cpu_model": env.get("cpu_model"), "cpu_isa": env.get("cpu_isa"), "gpu": env.get("gpu"), "torch_threads": env.get("torch_threads"), "job": result["job"]}
     for override in result["overrides"]:  # an unavailable value's group, e.g. precision=int8
         key, _, value = override.partition("=")
         if key in meta and meta[key] is None:

@@ -13,7 +13,7 @@ Each study's `report.chart` (conf/study/NAME.yaml) says what to draw, so a new s
       - {y: decode_tok_s, ylabel: decode tokens/s, logy: false, scale: 1.0, series: null}  # series: not here
 
 A panel's keys may also sit at the top level for a one-panel chart. Columns the CSV lacks are skipped.
-The caption names the hardware, torch threads and commit the numbers came from.
+The caption names the hardware (with its instruction set), torch threads and commit the numbers came from.
 """
 from __future__ import annotations
 
@@ -61,12 +61,13 @@ def chart(frame: pd.DataFrame, spec: dict[str, Any], title: str, path: Path) -> 
 
 
 def caption(frame: pd.DataFrame) -> str:
-    """Where the numbers were measured: CPU (and GPU), torch threads, commit."""
+    """Where the numbers were measured: CPU and its instruction set (and GPU), torch threads, commit."""
     def values(column: str) -> str:
         found = frame[column].dropna().astype(str).unique() if column in frame else []
         return ", ".join(v.removesuffix(".0") for v in sorted(found))
 
-    parts = [values("cpu_model"), values("gpu"), values("torch_threads") and f"{values('torch_threads')} torch threads",
+    cpu = values("cpu_model") + (f" ({values('cpu_isa')})" if values("cpu_isa") else "")
+    parts = [cpu, values("gpu"), values("torch_threads") and f"{values('torch_threads')} torch threads",
              values("git_commit") and f"commit {values('git_commit')}"]
     return "Measured on " + " · ".join(p for p in parts if p)
 

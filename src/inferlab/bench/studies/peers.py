@@ -3,7 +3,8 @@
 Every engine is timed the same way: token arrival times while generating `new_tokens` greedy tokens after
 the same prompt ids, decode rate = (n - 1) / (t_last - t_first), in rounds that probe the machine's read
 bandwidth and then run every engine once (medians over the rounds). The roofline is that bandwidth over the
-bytes of weights one decode step reads.
+bytes of weights one decode step reads. inferlab runs once per instruction set of `study.isas` that the CPU
+runs (its kernels' builds, kernels/isa.py), each row naming its set; the peers name what they run on.
 """
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from tqdm.auto import tqdm
 
 from inferlab.api import engine_from_config
 from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.bench.studies.common import decode_loop, decode_rate, prompt_ids, read_bandwidth_gb_s, require
 from inferlab.engine.engine import InferenceEngine
+from inferlab.kernels.build import use_isa
+from inferlab.kernels.isa import supported_isas
 from inferlab.quant.apply import weight_bytes
 from inferlab.paths import cache_dir
 
@@ -28,6 +31,7 @@ Runner = Callable[[list[int], int], list[float]]  # (prompt ids, new tokens) -> 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA_CPP_FTYPES = {"fp32": "LLAMA_FTYPE_ALL_F32", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "fp16": "LLAMA_FTYPE_MOSTLY_F16",
                     "int8": "LLAMA_FTYPE_MOSTLY_Q8_0"}  # int4 runs the shipped Q4_1 file itself
+LLAMA_CPP_ISA_FEATURES = {"avx2": {"AVX2", "FMA"}, "avx512": {"AVX2", "FMA", "AVX512", "AVX512_VNNI", "AVX512_BF16"}}
 
 
 @register("peers")
@@ -38,40 +42,62 @@ def run(cfg: DictConfig) -> Rows:
         raise StudyUnavailable("peers compares engines on one GGUF file: use a GGUF model (model=smollm2-135m)")
     m = cfg.measure
     ids = prompt_ids(cfg, engine, int(m.prompt_tokens))
-    makers: dict[str, Callable[[], tuple[Runner, int, str]]] = {
-        "inferlab": lambda: (inferlab_runner(engine), weight_bytes(engine.model), engine.loaded.source),
-        "transformers": lambda: transformers_runner(gguf, cfg.precision, engine.config.device),
-        "llama.cpp": lambda: llama_cpp_runner(gguf, cfg.precision.name),
+    # (engine, isa) -> a maker of (runner, weight bytes, note, isa); inferlab once per kernel build
+    makers: dict[tuple[str, str | None], Callable[[], tuple[Runner, int, str, str]]] = {
+        ("transformers", None): lambda: transformers_runner(gguf, cfg.precision, engine.config.device),
+        ("llama.cpp", None): lambda: llama_cpp_runner(gguf, cfg.precision.name),
     }
+    for isa, isa_engine in inferlab_engines(cfg, engine).items():
+        makers["inferlab", isa] = lambda e=isa_engine, isa=isa: (
+            inferlab_runner(e, isa), weight_bytes(e.model), e.loaded.source, isa or engine.config.device.type)
     common = {"prompt_tokens": len(ids), "new_tokens": int(m.new_tokens), "torch_threads": torch.get_num_threads()}
     peers, unavailable = {}, []
     for name in cfg.study.engines:
-        try:
-            peers[name] = makers[name]()
-        except StudyUnavailable as e:
-            unavailable.append({"engine": name, "decode_tok_s": None, "note": str(e)})
+        for key in [key for key in makers if key[0] == name]:
+            try:
+                peers[key] = makers[key]()
+            except StudyUnavailable as e:
+                unavailable.append({"engine": name, "decode_tok_s": None, "note": str(e)})
 
     # Round robin: each round probes the bandwidth, then runs every engine once, so the probe and all
     # engines see the same states of a shared machine (its speed drifts by tens of percent over minutes).
     def one_round() -> tuple[float, dict[str, float]]:
         bandwidth = read_bandwidth_gb_s(int(m.bandwidth_mb), engine.config.device)
-        return bandwidth, {name: decode_rate(runner(ids, int(m.new_tokens))) for name, (runner, _, _) in peers.items()}
+        return bandwidth, {key: decode_rate(runner(ids, int(m.new_tokens))) for key, (runner, *_) in peers.items()}
 
     for _ in range(int(m.warmup)):
         one_round()
     rounds = [one_round() for _ in tqdm(range(int(m.repeats)), desc="peers rounds", leave=False)]
     bandwidth = statistics.median(b for b, _ in rounds)
     rows = [{**row, "bandwidth_gb_s": bandwidth, **common} for row in unavailable]
-    for name, (_, nbytes, note) in peers.items():
-        rate = statistics.median(rates[name] for _, rates in rounds)
+    for key, (_, nbytes, note, isa) in peers.items():
+        rate = statistics.median(rates[key] for _, rates in rounds)
         roofline = bandwidth * 1e9 / nbytes
-        rows.append({"engine": name, "decode_tok_s": rate, "weight_mb": nbytes / 2**20, "roofline_tok_s": roofline,
-                     "pct_roofline": 100.0 * rate / roofline, "note": note, "bandwidth_gb_s": bandwidth, **common})
+        rows.append({"engine": key[0], "isa": isa, "decode_tok_s": rate, "weight_mb": nbytes / 2**20,
+                     "roofline_tok_s": roofline, "pct_roofline": 100.0 * rate / roofline, "note": note,
+                     "bandwidth_gb_s": bandwidth, **common})
     return rows
 
 
-def inferlab_runner(engine: InferenceEngine) -> Runner:
+def inferlab_engines(cfg: DictConfig, engine: InferenceEngine) -> dict[str | None, InferenceEngine]:
+    """The job's engine on each instruction set of `study.isas` the CPU runs (the job's own device.isa
+    first); {None: engine} where the CPU kernels do not run (another device, kernels=portable)."""
+    chosen = engine.fused.isa if engine.fused is not None else None
+    if chosen is None:
+        return {None: engine}
+    engines = {chosen: engine}
+    for isa in [i for i in cfg.study.isas if i in supported_isas() and i != chosen]:
+        isa_cfg = cfg.copy()
+        with open_dict(isa_cfg):
+            isa_cfg.device.isa = isa
+        engines[isa] = engine_from_config(isa_cfg)
+    return engines
+
+
+def inferlab_runner(engine: InferenceEngine, isa: str | None = None) -> Runner:
     def generate(ids: list[int], n: int) -> list[float]:
+        if isa:
+            use_isa(isa)  # the process's kernels (the engine's decode plan is its own already)
         logits, seq = engine.prefill(ids, reserve_tokens=n)
         try:
             start = time.perf_counter()
@@ -83,7 +109,7 @@ def inferlab_runner(engine: InferenceEngine) -> Runner:
     return generate
 
 
-def transformers_runner(gguf: Path, precision: DictConfig, device: torch.device) -> tuple[Runner, int, str]:
+def transformers_runner(gguf: Path, precision: DictConfig, device: torch.device) -> tuple[Runner, int, str, str]:
     if precision.get("quant") or precision.dtype not in TORCH_DTYPES:
         raise StudyUnavailable(f"transformers has no {precision.name} path for GGUF weights on this device")
     transformers = require("transformers", "the transformers peer (pip install -e .[peers])")
@@ -111,10 +137,11 @@ def transformers_runner(gguf: Path, precision: DictConfig, device: torch.device)
         return clock.times
 
     nbytes = sum(p.nbytes for p in {p.data_ptr(): p for p in model.parameters()}.values())
-    return generate, nbytes, f"transformers {transformers.__version__} generate"
+    isa = f"torch {torch.backends.cpu.get_cpu_capability().lower()}" if device.type == "cpu" else device.type
+    return generate, nbytes, f"transformers {transformers.__version__} generate", isa
 
 
-def llama_cpp_runner(gguf: Path, precision: str) -> tuple[Runner, int, str]:
+def llama_cpp_runner(gguf: Path, precision: str) -> tuple[Runner, int, str, str]:
     llama_cpp = require("llama_cpp", "the llama.cpp peer (pip install -e .[peers])")
     if precision != "int4" and precision not in LLAMA_CPP_FTYPES:
         raise StudyUnavailable(f"llama.cpp has no {precision} counterpart")
@@ -130,7 +157,15 @@ def llama_cpp_runner(gguf: Path, precision: str) -> tuple[Runner, int, str]:
                 break
         return times
 
-    return generate, path.stat().st_size, f"llama-cpp-python {llama_cpp.__version__} on {path.name}"
+    return generate, path.stat().st_size, f"llama-cpp-python {llama_cpp.__version__} on {path.name}", llama_cpp_isa(llama_cpp)
+
+
+def llama_cpp_isa(llama_cpp) -> str:
+    """The widest of inferlab's instruction sets whose features llama.cpp's CPU backend reports using."""
+    info = llama_cpp.llama_print_system_info().decode()
+    used = {part.split("=")[0].strip() for part in info.split("|") if part.strip().endswith("= 1")}
+    names = [name for name, features in LLAMA_CPP_ISA_FEATURES.items() if features <= used]
+    return names[-1] if names else "other"
 
 
 def requantized(llama_cpp, gguf: Path, precision: str) -> Path:

@@ -1,4 +1,4 @@
-// Attention for decoding on AVX2 CPUs: one new query per sequence over all its cached keys, this
+// Attention for decoding on x86 CPUs: one new query per sequence over all its cached keys, this
 // step's key and value written into the cache first.
 //
 // With a single query there is nothing to tile: each head is one pass over its keys (scores), a
@@ -19,6 +19,7 @@
 #include "simd.h"
 
 namespace inferlab {
+inline namespace INFERLAB_ISA {
 
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kKeysPerThread = 256;  // below this many keys in all, one thread does every head (from 256
@@ -77,37 +78,38 @@ struct SequenceBlocks {
 template <typename T>
 void attend_head(const float* q, const KvPool<T>& keys, const KvPool<T>& values, const int64_t* table, int64_t h,
                  int64_t L, int64_t D, float scale, float* out) {
+  using S = Narrow;  // head_dim in steps of 8 lanes, whatever the build's widest (attention is a few % of a step)
   const int64_t V = D / 8;
-  __m256 qv[kMaxHeadDim / 8];
-  for (int64_t j = 0; j < V; ++j) qv[j] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * j), _mm256_set1_ps(scale));
+  S::V qv[kMaxHeadDim / 8];
+  for (int64_t j = 0; j < V; ++j) qv[j] = S::mul(S::load(q + 8 * j), S::set1(scale));
   std::vector<float> p(L);
   float max_score = -std::numeric_limits<float>::infinity();
   for (int64_t l = 0; l < L; ++l) {
     const T* key = keys.row(table, h, l);
-    __m256 acc = _mm256_mul_ps(qv[0], load8(key));
-    for (int64_t j = 1; j < V; ++j) acc = _mm256_fmadd_ps(qv[j], load8(key + 8 * j), acc);
-    p[l] = hsum(acc);
+    S::V acc = S::mul(qv[0], S::load(key));
+    for (int64_t j = 1; j < V; ++j) acc = S::fmadd(qv[j], S::load(key + 8 * j), acc);
+    p[l] = S::sum(acc);
     max_score = std::max(max_score, p[l]);
   }
-  const __m256 max8 = _mm256_set1_ps(max_score);
-  __m256 sum8 = _mm256_setzero_ps();
+  const S::V max8 = S::set1(max_score);
+  S::V sum8 = S::zero();
   int64_t l = 0;
   for (; l + 8 <= L; l += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + l), max8));
-    _mm256_storeu_ps(p.data() + l, e);
-    sum8 = _mm256_add_ps(sum8, e);
+    const S::V e = exp<S>(S::sub(S::load(p.data() + l), max8));
+    S::store(p.data() + l, e);
+    sum8 = S::add(sum8, e);
   }
-  float sum = hsum(sum8);
+  float sum = S::sum(sum8);
   for (; l < L; ++l) sum += (p[l] = std::exp(p[l] - max_score));
-  __m256 acc[kMaxHeadDim / 8];
-  for (int64_t j = 0; j < V; ++j) acc[j] = _mm256_setzero_ps();
+  S::V acc[kMaxHeadDim / 8];
+  for (int64_t j = 0; j < V; ++j) acc[j] = S::zero();
   for (l = 0; l < L; ++l) {
-    const __m256 weight = _mm256_set1_ps(p[l]);
+    const S::V weight = S::set1(p[l]);
     const T* value = values.row(table, h, l);
-    for (int64_t j = 0; j < V; ++j) acc[j] = _mm256_fmadd_ps(weight, load8(value + 8 * j), acc[j]);
+    for (int64_t j = 0; j < V; ++j) acc[j] = S::fmadd(weight, S::load(value + 8 * j), acc[j]);
   }
-  const __m256 inv_sum = _mm256_set1_ps(1.0f / sum);
-  for (int64_t j = 0; j < V; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], inv_sum));
+  const S::V inv_sum = S::set1(1.0f / sum);
+  for (int64_t j = 0; j < V; ++j) S::store(out + 8 * j, S::mul(acc[j], inv_sum));
 }
 
 // For each of B sequences: write k, v (H_kv, D) at its position into the pools, then attend its q (H, D)
@@ -138,4 +140,5 @@ void write_and_attend(const float* q, const float* k, const float* v, const KvPo
   });
 }
 
+}  // namespace INFERLAB_ISA
 }  // namespace inferlab

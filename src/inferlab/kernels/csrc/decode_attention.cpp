@@ -41,11 +41,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(inferlab, m) {
+TORCH_LIBRARY_FRAGMENT(INFERLAB_OPS, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_tables, "
         "Tensor positions, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
+TORCH_LIBRARY_IMPL(INFERLAB_OPS, CPU, m) {
   m.impl("decode_attention", &decode_attention);
 }

@@ -172,7 +172,7 @@ class DecodePlan : public torch::CustomClassHolder {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(inferlab, m) {
+TORCH_LIBRARY_FRAGMENT(INFERLAB_OPS, m) {
   m.class_<DecodePlan>("DecodePlan")
       .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>>())
       .def("add_layer", &DecodePlan::add_layer)

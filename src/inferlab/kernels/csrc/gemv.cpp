@@ -38,11 +38,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(inferlab, m) {
+TORCH_LIBRARY_FRAGMENT(INFERLAB_OPS, m) {
   m.def("gemv(Tensor x, Tensor weight, Tensor? scales, Tensor? bias, Tensor? norm_weight, float eps, Tensor? mins, "
         "bool gated) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(inferlab, CPU, m) {
+TORCH_LIBRARY_IMPL(INFERLAB_OPS, CPU, m) {
   m.impl("gemv", &gemv);
 }

@@ -1,14 +1,16 @@
-// Matrix-vector products for decoding on AVX2 CPUs: y = prepare(x) @ W.T for a few activation rows.
+// Matrix-vector products for decoding on x86 CPUs: y = prepare(x) @ W.T for a few activation rows.
 //
 // Decoding one token reads every weight once and does two flops per weight, so the speed limit is
-// how fast the weights stream from memory. This kernel reads each weight row exactly once, 16
-// weights a step, and multiplies them into every activation row (at most kMaxRows), with several
-// independent accumulators and software prefetches far enough ahead that memory, not the instruction
-// window, sets the pace (measured here: int8 rows stream ~2x faster with them). fp32 and bf16
-// weights are widened to fp32 and fused-multiply-added; int8 and int4 weights meet int16 activation
-// codes in exact integer multiply-adds (one instruction per 16 weights), int4 with a float scale and
-// min per group as GGUF's Q4_1 defines them. Rows are split across torch's intra-op threads.
-// Used by the `gemv` op (gemv.cpp) and the whole decode step (decode_step.cpp).
+// how fast the weights stream from memory. This kernel reads each weight row exactly once, a step of
+// 16 or 32 weights at a time, and multiplies them into every activation row (at most kMaxRows), with
+// several independent accumulators and software prefetches far enough ahead that memory, not the
+// instruction window, sets the pace (measured here: int8 rows stream ~2x faster with them). fp32
+// weights are fused-multiply-added; bf16 weights are widened to fp32 (AVX2) or dotted in pairs by the
+// CPU's bf16 instruction (AVX-512); int8 and int4 weights meet int16 activation codes in exact integer
+// multiply-adds (one instruction per 2 * kLanes weights), int4 with a float scale and min per group as
+// GGUF's Q4_1 defines them. Rows are split across torch's intra-op threads. Written once over the
+// SIMD layer (simd.h) and compiled per instruction set. Used by the `gemv` op (gemv.cpp) and the
+// whole decode step (decode_step.cpp).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -21,32 +23,33 @@
 #include "simd.h"
 
 namespace inferlab {
+inline namespace INFERLAB_ISA {
 
 constexpr int64_t kMaxRows = 8;       // activation rows per call (decode batch); more go to a GEMM
 constexpr int kRowsPerDot = 4;        // activation rows one dot call keeps in registers
 constexpr int64_t kGrain = 64;        // weight rows per thread at least
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead each row is requested: one core alone keeps too few loads in flight
-constexpr int64_t kStep = 16;         // weights per row read per step; K must be a multiple of it
+constexpr int64_t kStep = 16;         // K must be a multiple of it; a format's step reads this many weights or twice as many
 constexpr int64_t kMaxK = 8192;
 constexpr float kInt16Max = 16383;    // activation codes for integer weights: 2 * 127 * 16383 * (K / 16) fits int32
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0); }
 
-// Activations as the integer formats read them: x / max|x| * kInt16Max, rounded; returns the scale that undoes it
+inline void prefetch_lines(const void* p, int64_t bytes) {  // every 64-byte line of [p, p + bytes)
+  for (int64_t b = 0; b < bytes; b += 64) prefetch(static_cast<const char*>(p) + b);
+}
+
+// Activations as the integer formats read them: x / max|x| * kInt16Max, rounded (to nearest even, as
+// lrintf); returns the scale that undoes it
 inline float int16_codes(const float* x, int64_t K, int16_t* out) {
-  __m256 amax8 = _mm256_setzero_ps();
+  Wide::V amax = Wide::zero();
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(x + k)));
-  float amax = hmax(amax8);
-  for (; k < K; ++k) amax = std::max(amax, std::abs(x[k]));
-  const float scale = amax > 0 ? amax / kInt16Max : 1.0f;
-  const __m256 scale8 = _mm256_set1_ps(scale);
-  for (k = 0; k + 16 <= K; k += 16) {  // x / scale rounded to nearest even, as lrintf: 16 codes a step
-    const __m256i lo = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(x + k), scale8));
-    const __m256i hi = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(x + k + 8), scale8));
-    const __m256i codes = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);  // packs works per 128-bit lane
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), codes);
-  }
+  for (; k + kLanes <= K; k += kLanes) amax = Wide::max(amax, Wide::abs(Wide::load(x + k)));
+  float m = Wide::max(amax);
+  for (; k < K; ++k) m = std::max(m, std::abs(x[k]));
+  const float scale = m > 0 ? m / kInt16Max : 1.0f;
+  const Wide::V scale_v = Wide::set1(scale);
+  for (k = 0; k + kLanes <= K; k += kLanes) Wide::store_int16(out + k, Wide::div(Wide::load(x + k), scale_v));
   for (; k < K; ++k) out[k] = static_cast<int16_t>(std::lrintf(x[k] / scale));
   return scale;
 }
@@ -64,71 +67,129 @@ void deinterleave(T* x, int64_t K, int64_t block) {
   }
 }
 
+inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
 // A weight format holds its weights and the prepared activations, and computes
 //   dot<R, M>(n, acc, m0): acc[r * M + m] = (weight row n + r) . (activation row m0 + m) / x_scale[m0 + m]
-// The dense formats share one loop over steps of kStep weights (DenseFormat); int4 has groups.
+// The dense formats share one loop over steps of Step::kWidth weights (DenseFormat); a K that is not a
+// multiple of kWidth (only ever by kStep) ends with Step::tail, which reads the first kStep weights of a
+// step (the activations are zero-padded to whole steps). int4 has groups.
 template <typename Step>
 struct DenseFormat {
   static constexpr int kTileRows = Step::kTileRows;  // weight rows read together for one activation row
+  static constexpr int64_t kWidth = Step::kWidth;
   using W = typename Step::W;
   using X = typename Step::X;
   const W* w;
-  int64_t K;
+  int64_t K, stride;  // stride: prepared values per activation row
   std::vector<X> x;
   float x_scale[kMaxRows];
 
-  DenseFormat(const W* weights, int64_t K_, const float* xf, int64_t M) : w(weights), K(K_), x(M * K_) {
-    for (int64_t m = 0; m < M; ++m) x_scale[m] = Step::prepare(xf + m * K, K, x.data() + m * K);
+  DenseFormat(const W* weights, int64_t K_, const float* xf, int64_t M)
+      : w(weights), K(K_), stride(round_up(K_, kWidth) * Step::kXPerWeight), x(M * stride) {
+    for (int64_t m = 0; m < M; ++m) x_scale[m] = Step::prepare(xf + m * K, K, x.data() + m * stride);
   }
 
   template <int R, int M>
   void dot(int64_t n, float* acc, int64_t m0) const {
+    constexpr int64_t X_STEP = kWidth * Step::kXPerWeight;
     typename Step::Acc sum[R * M];
-    const X* xs = x.data() + m0 * K;
+    const X* xs = x.data() + m0 * stride;
     for (int i = 0; i < R * M; ++i) sum[i] = Step::zero();
     const W* rows = w + n * K;
+    const int64_t whole = K / kWidth * kWidth;  // weights in whole steps
     if constexpr (R == 1 && M == 1) {  // one row, read as one stream into four independent partial sums
       typename Step::Acc part[4] = {Step::zero(), Step::zero(), Step::zero(), Step::zero()};
       int64_t k = 0;
-      for (; k + 4 * kStep <= K; k += 4 * kStep) {
-        prefetch(rows + k);
-        for (int j = 0; j < 4; ++j) part[j] = Step::step(rows + k + j * kStep, xs + k + j * kStep, part[j]);
+      for (; k + 4 * kWidth <= whole; k += 4 * kWidth) {
+        prefetch_lines(rows + k, 4 * kWidth * sizeof(W));
+        for (int j = 0; j < 4; ++j) {
+          part[j] = Step::step(rows + k + j * kWidth, xs + (k / kWidth + j) * X_STEP, part[j]);
+        }
       }
-      for (; k < K; k += kStep) part[0] = Step::step(rows + k, xs + k, part[0]);
+      for (; k < whole; k += kWidth) part[0] = Step::step(rows + k, xs + k / kWidth * X_STEP, part[0]);
+      if constexpr (kWidth > kStep) {
+        if (whole < K) part[1] = Step::tail(rows + whole, xs + whole / kWidth * X_STEP, part[1]);
+      }
       acc[0] = Step::total(part[0]) + Step::total(part[1]) + Step::total(part[2]) + Step::total(part[3]);
       return;
     }
-    for (int64_t k = 0; k < K; k += kStep) {
+    for (int64_t k = 0; k < whole; k += kWidth) {
       for (int r = 0; r < R; ++r) {
         prefetch(rows + r * K + k);
-        for (int m = 0; m < M; ++m) sum[r * M + m] = Step::step(rows + r * K + k, xs + m * K + k, sum[r * M + m]);
+        for (int m = 0; m < M; ++m) {
+          sum[r * M + m] = Step::step(rows + r * K + k, xs + m * stride + k / kWidth * X_STEP, sum[r * M + m]);
+        }
+      }
+    }
+    if constexpr (kWidth > kStep) {
+      if (whole < K) {
+        for (int r = 0; r < R; ++r) {
+          for (int m = 0; m < M; ++m) {
+            sum[r * M + m] = Step::tail(rows + r * K + whole, xs + m * stride + whole / kWidth * X_STEP, sum[r * M + m]);
+          }
+        }
       }
     }
     for (int i = 0; i < R * M; ++i) acc[i] = Step::total(sum[i]);
   }
 };
 
+// fp32 weights: kStep of them fused-multiply-added per step, kLanes at a time
 struct Fp32Step {
   static constexpr int kTileRows = 4;
+  static constexpr int64_t kWidth = kStep, kXPerWeight = 1;
   using W = float;
   using X = float;
-  using Acc = __m256;
-  static Acc zero() { return _mm256_setzero_ps(); }
+  using Acc = Wide::V;
+  static Acc zero() { return Wide::zero(); }
   static Acc step(const W* w, const X* x, Acc acc) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(w), _mm256_loadu_ps(x), acc);
-    return _mm256_fmadd_ps(_mm256_loadu_ps(w + 8), _mm256_loadu_ps(x + 8), acc);
+    for (int j = 0; j < kStep / kLanes; ++j) acc = Wide::fmadd(Wide::load(w + j * kLanes), Wide::load(x + j * kLanes), acc);
+    return acc;
   }
-  static float total(Acc acc) { return hsum(acc); }
+  static float total(Acc acc) { return Wide::sum(acc); }
   static float prepare(const float* x, int64_t K, X* out) {
     std::copy(x, x + K, out);
     return 1.0f;
   }
 };
 
+#ifdef INFERLAB_AVX512
+// bf16 weights in pairs, dotted with bf16 activation pairs into fp32 by vdpbf16ps (AVX512_BF16), 32
+// weights an instruction. The activations stay fp32-accurate: each is split into x = hi + lo, both bf16
+// (|x - hi - lo| <= 2^-17 |x|), and the weights meet both, so each step is two dots. Each step's 32
+// activations are stored as their 32 hi values, then their 32 lo values.
+struct Bf16Step {
+  static constexpr int kTileRows = 4;
+  static constexpr int64_t kWidth = 2 * kStep, kXPerWeight = 2;
+  using W = at::BFloat16;
+  using X = at::BFloat16;
+  using Acc = __m512;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc dots(__m512i w, const X* x, Acc acc) {
+    acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x)), reinterpret_cast<__m512bh>(w));
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + kWidth)), reinterpret_cast<__m512bh>(w));
+  }
+  static Acc step(const W* w, const X* x, Acc acc) { return dots(_mm512_loadu_si512(w), x, acc); }
+  static Acc tail(const W* w, const X* x, Acc acc) { return dots(_mm512_maskz_loadu_epi16(0xFFFF, w), x, acc); }
+  static float total(Acc acc) { return _mm512_reduce_add_ps(acc); }
+  static float prepare(const float* x, int64_t K, X* out) {
+    const int64_t padded = round_up(K, kWidth);
+    std::fill(out, out + 2 * padded, at::BFloat16(0.0f));
+    for (int64_t k = 0; k < K; ++k) {
+      X* block = out + k / kWidth * 2 * kWidth + k % kWidth;
+      block[0] = at::BFloat16(x[k]);  // rounded to nearest even
+      block[kWidth] = at::BFloat16(x[k] - static_cast<float>(block[0]));
+    }
+    return 1.0f;
+  }
+};
+#else
 // bf16 is the high half of an fp32: a 32-bit lane holding weights 2i and 2i+1 gives weight 2i shifted
 // up and weight 2i+1 masked, so the activations of each step are stored evens first, then odds.
 struct Bf16Step {
   static constexpr int kTileRows = 4;
+  static constexpr int64_t kWidth = kStep, kXPerWeight = 1;
   using W = at::BFloat16;
   using X = float;
   using Acc = __m256;
@@ -140,107 +201,123 @@ struct Bf16Step {
     acc = _mm256_fmadd_ps(even, _mm256_loadu_ps(x), acc);
     return _mm256_fmadd_ps(odd, _mm256_loadu_ps(x + 8), acc);
   }
-  static float total(Acc acc) { return hsum(acc); }
+  static float total(Acc acc) { return Narrow::sum(acc); }
   static float prepare(const float* x, int64_t K, X* out) {
     std::copy(x, x + K, out);
     deinterleave(out, K, kStep);
     return 1.0f;
   }
 };
+#endif
 
-// int8 weights times int16 activation codes, summed exactly in int32 by madd (one instruction per 16).
+// int8 weights times int16 activation codes, summed exactly in int32 (madd, or VNNI's dpwssd), one
+// instruction per 2 * kLanes weights
 struct Int8Step {
   // one row at a time, as one stream: int8 rows are short (one 576-byte row of the model is 9 cache
   // lines), and 4 of them in flight per thread streamed ~20% slower here than one
   static constexpr int kTileRows = 1;
+  static constexpr int64_t kWidth = 2 * kLanes, kXPerWeight = 1;
   using W = int8_t;
   using X = int16_t;
-  using Acc = __m256i;
-  static Acc zero() { return _mm256_setzero_si256(); }
-  static Acc step(const W* w, const X* x, Acc acc) {
-    const __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(w16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
+  using Acc = Wide::I;
+  static Acc zero() { return Wide::zero_int(); }
+  static Acc step(const W* w, const X* x, Acc acc) { return Wide::dot_int16(acc, Wide::widen(w), Wide::load_int(x)); }
+  static Acc tail(const W* w, const X* x, Acc acc) { return Wide::dot_int16(acc, Wide::widen_half(w), Wide::load_int(x)); }
+  static float total(Acc acc) { return Wide::sum(acc); }
+  static float prepare(const float* x, int64_t K, X* out) {
+    std::fill(out + K, out + round_up(K, kWidth), int16_t{0});
+    return int16_codes(x, K, out);
   }
-  static float total(Acc acc) { return hsum(_mm256_cvtepi32_ps(acc)); }
-  static float prepare(const float* x, int64_t K, X* out) { return int16_codes(x, K, out); }
 };
 
 // 4-bit codes q in [0, 15], two per byte (even column in the low nibble), w = q * scale + min per group
 // of `group` columns (GGUF Q4_1's arithmetic). Per group: the integer dot of the codes with the int16
 // activation codes times the group's scale, plus its min times the group's sum of activation codes.
-// One flat loop over blocks of 32 columns with the group's end as a counter (a nested loop per group
-// ran ~1.3x slower: its accumulators did not stay in registers), the min terms as one dot per row.
+// One flat loop over steps of kBlocks blocks of 32 columns (16 bytes each; kBlocks = kLanes / 8: the
+// int32 lanes of block j are Wide's 8-lane block j), the integer dots scaled into fp32 sums whenever
+// a step ends a group (a nested loop per group ran ~1.3x slower: its accumulators did not stay in
+// registers), the min terms as one dot per row.
 struct Int4Format {
   static constexpr int kTileRows = 4;    // one activation row: 4 weight rows streamed together
-  static constexpr int64_t kBlock = 32;  // columns per step: 16 bytes
+  static constexpr int64_t kBlock = 32;  // columns per block: 16 bytes
+  static constexpr int kBlocks = kLanes / 8;
+  static constexpr int64_t kStepColumns = kBlocks * kBlock;
   const uint8_t* w;                      // (N, K / 2)
-  int64_t K, group, G;
+  int64_t K, group, G, stride, steps_per_scale;
   const float* scales;                   // (N, G)
   const float* mins;                     // (N, G)
-  std::vector<int16_t> x;                // (M, K), each block of 32 as its 16 evens then its 16 odds
+  std::vector<int16_t> x;                // (M, stride), each step's columns as their evens, then their odds
   std::vector<float> group_sums;         // (M, G)
+  std::vector<int64_t> block_group;      // the group of each block of 32 columns, padded to whole steps
   float x_scale[kMaxRows];
 
   Int4Format(const uint8_t* packed, int64_t K_, int64_t group_, const float* scales_, const float* mins_,
              const float* xf, int64_t M)
-      : w(packed), K(K_), group(group_), G(K_ / group_), scales(scales_), mins(mins_), x(M * K_), group_sums(M * G) {
+      : w(packed), K(K_), group(group_), G(K_ / group_), stride(round_up(K_, kStepColumns)),
+        // a step inside one group: its dots add up over the group's steps; else scaled at every step
+        steps_per_scale(group_ % kStepColumns == 0 ? group_ / kStepColumns : 1), scales(scales_), mins(mins_),
+        x(M * stride), group_sums(M * G), block_group(stride / kBlock) {
+    for (int64_t b = 0; b < stride / kBlock; ++b) block_group[b] = std::min(b * kBlock / group, G - 1);
     for (int64_t m = 0; m < M; ++m) {
-      int16_t* codes = x.data() + m * K;
+      int16_t* codes = x.data() + m * stride;  // the padding stays 0
       x_scale[m] = int16_codes(xf + m * K, K, codes);
       for (int64_t g = 0; g < G; ++g) {
         group_sums[m * G + g] = std::accumulate(codes + g * group, codes + (g + 1) * group, 0.0f);
       }
-      deinterleave(codes, K, kBlock);
+      deinterleave(codes, stride, kStepColumns);
     }
   }
 
   template <int R, int M>
   void dot(int64_t n, float* acc, int64_t m0) const {
-    __m256 sum[R * M];
-    __m256i dots[R * M];
+    using L = Wide;
+    L::V sum[R * M];
+    L::I dots[R * M];
     for (int i = 0; i < R * M; ++i) {
-      sum[i] = _mm256_setzero_ps();
-      dots[i] = _mm256_setzero_si256();
+      sum[i] = L::zero();
+      dots[i] = L::zero_int();
     }
-    // one pass over the blocks of 32 columns; at each group's end its integer dots are scaled into the sums
-    const int64_t blocks_per_group = group / kBlock;
-    for (int64_t b = 0, left = blocks_per_group, g = 0; b < K / kBlock; ++b) {
+    const int64_t steps = stride / kStepColumns;
+    for (int64_t s = 0, left = steps_per_scale; s < steps; ++s) {
+      const bool partial = (s + 1) * kStepColumns > K;  // the last step, half past the row's end
       for (int r = 0; r < R; ++r) {
-        const uint8_t* bytes = w + (n + r) * (K / 2) + b * (kBlock / 2);
+        const uint8_t* bytes = w + (n + r) * (K / 2) + s * (kStepColumns / 2);
         prefetch(bytes);
-        const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-        const __m256i even = _mm256_and_si256(codes, _mm256_set1_epi16(0x0F));  // 16 codes of columns 2i
-        const __m256i odd = _mm256_srli_epi16(codes, 4);                          // columns 2i + 1
+        L::I codes;
+        if constexpr (kBlocks > 1) {
+          codes = partial ? L::widen_half(bytes) : L::widen(bytes);
+        } else {
+          codes = L::widen(bytes);
+        }
+        const L::I even = L::low_nibbles(codes);  // the codes of the step's even columns
+        const L::I odd = L::high_nibbles(codes);
         for (int m = 0; m < M; ++m) {
-          const int16_t* xs = x.data() + (m0 + m) * K + b * kBlock;
-          const __m256i d = _mm256_add_epi32(
-              _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs))),
-              _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + 16))));
-          dots[r * M + m] = _mm256_add_epi32(dots[r * M + m], d);
+          const int16_t* xs = x.data() + (m0 + m) * stride + s * kStepColumns;
+          dots[r * M + m] = L::dot_int16(L::dot_int16(dots[r * M + m], even, L::load_int(xs)), odd,
+                                         L::load_int(xs + kStepColumns / 2));
         }
       }
       if (--left == 0) {
         for (int r = 0; r < R; ++r) {
-          const __m256 scale = _mm256_set1_ps(scales[(n + r) * G + g]);
+          float block_scales[kBlocks];
+          for (int j = 0; j < kBlocks; ++j) block_scales[j] = scales[(n + r) * G + block_group[s * kBlocks + j]];
+          const L::V scale = L::per_block(block_scales);
           for (int m = 0; m < M; ++m) {
-            sum[r * M + m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r * M + m]), scale, sum[r * M + m]);
-            dots[r * M + m] = _mm256_setzero_si256();
+            sum[r * M + m] = L::fmadd(L::to_float(dots[r * M + m]), scale, sum[r * M + m]);
+            dots[r * M + m] = L::zero_int();
           }
         }
-        left = blocks_per_group;
-        ++g;
+        left = steps_per_scale;
       }
     }
     for (int r = 0; r < R; ++r) {  // + the sum over groups of min * the group's activation codes, vectorized
       const float* row_mins = mins + (n + r) * G;
       for (int m = 0; m < M; ++m) {
         const float* sums = group_sums.data() + (m0 + m) * G;
-        __m256 min_terms = _mm256_setzero_ps();
+        L::V min_terms = L::zero();
         int64_t g = 0;
-        for (; g + 8 <= G; g += 8) {
-          min_terms = _mm256_fmadd_ps(_mm256_loadu_ps(row_mins + g), _mm256_loadu_ps(sums + g), min_terms);
-        }
-        float total = hsum(sum[r * M + m]) + hsum(min_terms);
+        for (; g + kLanes <= G; g += kLanes) min_terms = L::fmadd(L::load(row_mins + g), L::load(sums + g), min_terms);
+        float total = L::sum(sum[r * M + m]) + L::sum(min_terms);
         for (; g < G; ++g) total += row_mins[g] * sums[g];
         acc[r * M + m] = total;
       }
@@ -315,10 +392,10 @@ inline void swiglu(float* x, int64_t M, int64_t K) {
     const float* up = gate + K;
     float* out = x + m * K;  // never ahead of the values it reads
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-      const __m256 g = _mm256_loadu_ps(gate + k);
-      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-      _mm256_storeu_ps(out + k, _mm256_mul_ps(silu, _mm256_loadu_ps(up + k)));
+    for (; k + kLanes <= K; k += kLanes) {
+      const Wide::V g = Wide::load(gate + k);
+      const Wide::V silu = Wide::div(g, Wide::add(Wide::set1(1.0f), exp<Wide>(Wide::sub(Wide::zero(), g))));
+      Wide::store(out + k, Wide::mul(silu, Wide::load(up + k)));
     }
     for (; k < K; ++k) out[k] = gate[k] / (1.0f + std::exp(-gate[k])) * up[k];
   }
@@ -377,4 +454,5 @@ struct Projection {
   }
 };
 
+}  // namespace INFERLAB_ISA
 }  // namespace inferlab

@@ -1,4 +1,10 @@
-// AVX2 helpers the CPU decode kernels share.
+// The SIMD layer the CPU decode kernels share, for the instruction set this build targets.
+//
+// kernels/build.py compiles the same sources once per instruction set: AVX2 + FMA (8 fp32 lanes), and
+// with INFERLAB_AVX512 defined, AVX-512 F/BW/VL + VNNI + BF16 (16 lanes). Each build puts its symbols in
+// an inline namespace of its own and its ops in a library of its own (INFERLAB_OPS, e.g. inferlab_avx512),
+// so both load into one process. The kernels are written once against Lanes<N>: the fp32 vector of N
+// lanes and the operations on it, where N is kLanes (the widest) or 8 (attention: head_dim steps of 8).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,47 +13,151 @@
 
 #include <vector>
 
+#ifdef INFERLAB_AVX512
+#define INFERLAB_ISA avx512
+#else
+#define INFERLAB_ISA avx2
+#endif
+#define INFERLAB_OPS_NAME(isa) INFERLAB_OPS_CONCAT(inferlab_, isa)
+#define INFERLAB_OPS_CONCAT(a, b) a##b
+#define INFERLAB_OPS INFERLAB_OPS_NAME(INFERLAB_ISA)  // the op library: torch.ops.inferlab_avx2, ...
+
 namespace inferlab {
+inline namespace INFERLAB_ISA {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+template <int N>
+struct Lanes;
 
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
+template <>
+struct Lanes<8> {
+  using V = __m256;
+  using I = __m256i;  // 8 int32 lanes, or 16 int16
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const at::BFloat16* p) {  // bf16 is the high half of an fp32
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V abs(V a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V round(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {  // 2^n for whole n in the normal range: n + 127 into the exponent bits
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static float max(V v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
+  static void store_int16(int16_t* p, V v) {  // v's values rounded (to nearest even) to int16; they fit
+    const __m256i i = _mm256_cvtps_epi32(v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
+  }
+  static I zero_int() { return _mm256_setzero_si256(); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I dot_int16(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }  // + pairs a.b
+  static V to_float(I a) { return _mm256_cvtepi32_ps(a); }
+  static float sum(I a) { return sum(to_float(a)); }
+  // 2N int8 or uint8 weights as 2N int16 lanes; widen_half: the first N of them (the rest 0, nothing read)
+  static I widen(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I widen(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I widen_half(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I widen_half(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I load_int(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I low_nibbles(I bytes) { return _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)); }  // of int16 lanes 0..255
+  static I high_nibbles(I bytes) { return _mm256_srli_epi16(bytes, 4); }
+  static V per_block(const float* values) { return _mm256_set1_ps(values[0]); }  // values[j] in 8-lane block j
+};
 
-// e^x for 8 floats (relative error ~1e-7): x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial,
+#ifdef INFERLAB_AVX512
+constexpr int kLanes = 16;
+
+template <>
+struct Lanes<16> {
+  using V = __m512;
+  using I = __m512i;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const at::BFloat16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V abs(V a) { return _mm512_abs_ps(a); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V round(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static float max(V v) { return _mm512_reduce_max_ps(v); }
+  static void store_int16(int16_t* p, V v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)));
+  }
+  static I zero_int() { return _mm512_setzero_si512(); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I dot_int16(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }  // VNNI: madd and add in one
+  static V to_float(I a) { return _mm512_cvtepi32_ps(a); }
+  static float sum(I a) { return static_cast<float>(_mm512_reduce_add_epi32(a)); }
+  static I widen(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static I widen(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static I widen_half(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(0xFFFF, p)); }
+  static I widen_half(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(0xFFFF, p)); }
+  static I load_int(const int16_t* p) { return _mm512_loadu_si512(p); }
+  static I low_nibbles(I bytes) { return _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F)); }
+  static I high_nibbles(I bytes) { return _mm512_srli_epi16(bytes, 4); }
+  static V per_block(const float* values) {
+    const __m512d low = _mm512_castps_pd(_mm512_set1_ps(values[0]));
+    return _mm512_castpd_ps(_mm512_insertf64x4(low, _mm256_castps_pd(_mm256_set1_ps(values[1])), 1));
+  }
+};
+#else
+constexpr int kLanes = 8;
+#endif
+
+using Wide = Lanes<kLanes>;  // the widest vector this build has
+using Narrow = Lanes<8>;
+
+// e^x per lane (relative error ~1e-7): x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial,
 // 2^n into the exponent bits; x clamped to where e^x is a normal float
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: r stays exact
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
-// 8 consecutive values widened to fp32 (bf16 is the high half of an fp32)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+template <typename L>
+typename L::V exp(typename L::V x) {
+  x = L::min(L::max(x, L::set1(-87.3f)), L::set1(88.3f));
+  const typename L::V n = L::round(L::mul(x, L::set1(1.44269504088896341f)));
+  typename L::V r = L::fnmadd(n, L::set1(0.693359375f), x);  // ln2 in two parts: r stays exact
+  r = L::fnmadd(n, L::set1(-2.12194440e-4f), r);
+  typename L::V p = L::set1(1.9875691500e-4f);
+  p = L::fmadd(p, r, L::set1(1.3981999507e-3f));
+  p = L::fmadd(p, r, L::set1(8.3334519073e-3f));
+  p = L::fmadd(p, r, L::set1(4.1665795894e-2f));
+  p = L::fmadd(p, r, L::set1(1.6666665459e-1f));
+  p = L::fmadd(p, r, L::set1(5.0000001201e-1f));
+  p = L::fmadd(p, L::mul(r, r), L::add(r, L::set1(1.0f)));
+  return L::mul(p, L::pow2(n));
 }
 
 // A fp32 or bf16 tensor's values as fp32, without a tensor op (each costs microseconds): the tensor's
@@ -81,4 +191,5 @@ class Floats {
   const float* data_ = nullptr;
 };
 
+}  // namespace INFERLAB_ISA
 }  // namespace inferlab
