@@ -4,6 +4,7 @@ from pathlib import Path
 
 from inferlab.api import compose
 from inferlab.kernels.build import kernels_build_dir
+from inferlab.kernels.isa import ISAS
 from inferlab.paths import cache_dir, conf_dir, source_tree, sweeps_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,5 +25,5 @@ def test_the_cache_is_the_users_unless_inferlab_cache_says(monkeypatch, tmp_path
         assert cache_dir() == tmp_path / "xdg" / "inferlab"
     monkeypatch.setenv("INFERLAB_CACHE", str(tmp_path / "mine"))
     assert cache_dir() == tmp_path / "mine"
-    assert kernels_build_dir().parent == tmp_path / "mine" / "kernels"
+    assert kernels_build_dir(ISAS["avx2"]).parents[1] == tmp_path / "mine" / "kernels"
     assert compose(overrides=["model=scratch"]).model.path == str(tmp_path / "mine" / "models" / "scratch")
