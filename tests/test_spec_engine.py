@@ -1,4 +1,4 @@
-"""spec=ngram|draft through the engine, load_engine and a trained-format draft checkpoint."""
+"""spec=ngram|draft|self through the engine, load_engine and a trained-format draft checkpoint."""
 from __future__ import annotations
 
 import asyncio
@@ -82,6 +82,19 @@ def test_load_engine_spec_draft(tmp_path, monkeypatch):
     draft.load_state_dict(state)
     save_checkpoint(draft, engine.tokenizer, tmp_path / "drafts" / "smollm2-135m")
     spec = load_engine(spec="draft", **{"spec.k": 2})
+    assert spec.speculation.drafter.fused is not None or not cpu_gemv_available()  # the draft's own fused step
     prompt = "What is the capital of France?"
     assert spec.generate(prompt, max_new_tokens=16, chat=True).token_ids == \
         engine.generate(prompt, max_new_tokens=16, chat=True).token_ids
+
+
+@pytest.mark.slow
+def test_load_engine_spec_self_matches_greedy():
+    """SmolLM2's own Q4_1 blocks draft for its fp32 weights, through both fused steps: spec off's tokens."""
+    prompt = "Write a short story about a lighthouse keeper."
+    plain = load_engine().generate(prompt, max_new_tokens=32, chat=True)
+    spec = load_engine(spec="self")
+    assert spec.speculation.drafter.fused is not None or not cpu_gemv_available()
+    assert spec.generate(prompt, max_new_tokens=32, chat=True).token_ids == plain.token_ids
+    stats = spec.stats()
+    assert stats["spec_accepted"] > stats["spec_proposed"] / 2

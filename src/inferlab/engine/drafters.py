@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.engine.kv_cache import CachedAttend, KVCache
 from inferlab.engine.sampling import SamplingParams, probabilities
 from inferlab.errors import ModelLoadError
+from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer
 from inferlab.quant.apply import weight_bytes
 from inferlab.quant.self_draft import self_draft
