@@ -30,8 +30,12 @@ scratch: setup
 # The CPU-sized studies (sweeps/*.yaml), then the report from every result under outputs/ (< 30 min on 2 cores).
 REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak
 report: setup
-	@for sweep in $(REPORT_SWEEPS); do \
-		echo "== sweep $$sweep"; \
+	@set -- $(REPORT_SWEEPS); total=$$#; i=0; start=$$(date +%s); \
+	for sweep in $(REPORT_SWEEPS); do \
+		i=$$((i + 1)); elapsed=$$(($$(date +%s) - start)); \
+		printf '== sweep %d of %d: %s, %dm%02ds elapsed\n' $$i $$total $$sweep $$((elapsed / 60)) $$((elapsed % 60)); \
 		$(VENV)/bin/inferlab-bench -m sweep=$$sweep size=cpu || echo "== sweep $$sweep failed (see above)"; \
-	done
+	done; \
+	elapsed=$$(($$(date +%s) - start)); \
+	printf '== %d sweeps in %dm%02ds; now the report\n' $$total $$((elapsed / 60)) $$((elapsed % 60))
 	$(VENV)/bin/inferlab-report

@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import httpx
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from inferlab.bench.metrics import SLO, RequestRecord, summarize
+from inferlab.bench.progress import progress
 from inferlab.bench.prompts import Prompt, load_tokenizer, make_prompts
 from inferlab.cli import hydra_app
 from inferlab.errors import InvalidRequestError
@@ -44,7 +44,7 @@ async def run_load(target: Target, prompts: list[Prompt], spec: LoadSpec) -> tup
     """Send every prompt; return each request's record (in prompt order) and the run's wall time in seconds."""
     gate = asyncio.Semaphore(spec.concurrency)
     rng = random.Random(spec.seed)
-    bar = tqdm(total=len(prompts), desc="requests", disable=not spec.progress, leave=False)
+    bar = progress(desc="requests", total=len(prompts), enabled=spec.progress)
 
     async def one(prompt: Prompt) -> RequestRecord:
         async with gate:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from inferlab.bench.progress import progress
 from inferlab.errors import InvalidRequestError
 
 
@@ -38,7 +39,7 @@ def evaluate_perplexity(model: nn.Module, token_ids: Tensor | list[int], window:
         raise InvalidRequestError(f"perplexity window={window} exceeds the model's context of {max_len} tokens")
     ids = ids.to(next(model.parameters()).device)
     total = 0.0
-    for begin, first, end in windows(ids.numel(), window, stride):
+    for begin, first, end in progress(windows(ids.numel(), window, stride), "perplexity windows"):
         chunk = ids[begin:end].unsqueeze(0)  # (1, T)
         logits = model(chunk, torch.arange(end - begin, device=ids.device).unsqueeze(0))[0]  # (T, vocab)
         total += F.cross_entropy(logits[first - begin - 1:end - begin - 1].float(), ids[first:end], reduction="sum").item()

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from inferlab.bench.progress import progress
 from inferlab.server.guards import STATUS
 
 RETRYABLE = ("rate_limited", "overloaded", "capacity_exceeded", "timeout", "shutting_down")
@@ -65,10 +66,13 @@ async def soak(url: str, prompts: list[str], clients: int, requests: int, max_ne
         for i in range(requests):
             queue.put_nowait(i)
 
+        bar = progress(desc=f"soak, {clients} clients", total=requests)
+
         async def worker() -> None:
             while not queue.empty():
                 i = queue.get_nowait()
                 outcome = await _one(client, prompts[i % len(prompts)], max_new_tokens)
+                bar.update()
                 if outcome == "completed":
                     result.completed += 1
                 elif outcome in RETRYABLE:
@@ -78,6 +82,7 @@ async def soak(url: str, prompts: list[str], clients: int, requests: int, max_ne
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(clients)))
+        bar.close()
         result.wall_s = time.perf_counter() - start
         stats = await _wait_idle(client)
         result.requests_running_end, result.kv_blocks_used_end = stats["requests_running"], stats["kv_blocks_used"]

@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 from omegaconf import DictConfig, open_dict
-from tqdm.auto import tqdm
 
 from inferlab.api import engine_from_config
+from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.bench.studies.common import decode_loop, decode_rate, prompt_ids, read_bandwidth_gb_s, require
 from inferlab.engine.engine import InferenceEngine
@@ -67,7 +67,7 @@ def run(cfg: DictConfig) -> Rows:
 
     for _ in range(int(m.warmup)):
         one_round()
-    rounds = [one_round() for _ in tqdm(range(int(m.repeats)), desc="peers rounds", leave=False)]
+    rounds = [one_round() for _ in progress(range(int(m.repeats)), f"peers {cfg.precision.name} rounds")]
     bandwidth = statistics.median(b for b, _ in rounds)
     rows = [{**row, "bandwidth_gb_s": bandwidth, **common} for row in unavailable]
     for key, (_, nbytes, note, isa) in peers.items():

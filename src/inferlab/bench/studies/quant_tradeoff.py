@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from inferlab.api import engine_from_config
 from inferlab.bench.studies import Rows, register
 from inferlab.bench.perplexity import evaluate_perplexity
+from inferlab.bench.progress import progress
 from inferlab.bench.studies.common import median_of, prompt_ids
 from inferlab.engine.engine import InferenceEngine
 from inferlab.quant.apply import weight_bytes
@@ -26,10 +27,18 @@ def run(cfg: DictConfig) -> Rows:
               "perplexity": evaluate_perplexity(engine.model, held_out, int(m.perplexity_window),
                                                 int(m.perplexity_stride))}
     rows = []
-    for batch in cfg.study.batch_sizes:
-        rate = median_of(lambda: generation_rate(engine, [ids] * int(batch), int(m.new_tokens)),
-                         int(m.warmup), int(m.repeats))
-        rows.append({"batch_size": int(batch), "gen_tok_s": rate, "rss_mb": resident_mb(), **common})
+    runs = progress(desc=f"quant_tradeoff {cfg.precision.name} generations",
+                    total=len(cfg.study.batch_sizes) * (int(m.warmup) + int(m.repeats)))
+
+    def timed(batch: int) -> float:
+        rate = generation_rate(engine, [ids] * batch, int(m.new_tokens))
+        runs.update()
+        return rate
+
+    with runs:
+        for batch in cfg.study.batch_sizes:
+            rate = median_of(lambda: timed(int(batch)), int(m.warmup), int(m.repeats))
+            rows.append({"batch_size": int(batch), "gen_tok_s": rate, "rss_mb": resident_mb(), **common})
     return rows
 
 

@@ -14,10 +14,10 @@ from collections import defaultdict
 
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from tqdm.auto import tqdm
 
 from inferlab.api import CONF_DIR, engine_from_config
 from inferlab.bench.prompts import corpus_ids
+from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, register
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.speculative import Speculation, build_speculation
@@ -43,7 +43,7 @@ def run(cfg: DictConfig) -> Rows:
     new_tokens = min(int(study.new_tokens), int(m.new_tokens))
     cells = [(t, kind, name) for t in study.temperatures for kind in prompts for name in drafters]
     rates, counts, matches = defaultdict(list), defaultdict(lambda: dict.fromkeys(COUNTERS, 0)), defaultdict(list)
-    for round_ in tqdm(range(int(m.warmup) + int(m.repeats)), desc="spec_decode rounds", leave=False):
+    for round_ in progress(range(int(m.warmup) + int(m.repeats)), "spec_decode rounds"):
         outputs = {}
         for temperature, kind, name in cells:
             engine.speculation = speculation = drafters[name]

@@ -10,9 +10,9 @@ import statistics
 
 import torch
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
 from inferlab.api import engine_from_config
+from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, register
 from inferlab.bench.studies.common import decode_rate, prompt_ids, read_bandwidth_gb_s
 from inferlab.bench.studies.peers import inferlab_runner
@@ -38,7 +38,7 @@ def run(cfg: DictConfig) -> Rows:
     try:
         for _ in range(int(m.warmup)):
             one_round()
-        rounds = [one_round() for _ in tqdm(range(int(m.repeats)), desc="threads rounds", leave=False)]
+        rounds = [one_round() for _ in progress(range(int(m.repeats)), f"threads {cfg.precision.name} rounds")]
     finally:
         torch.set_num_threads(all_threads)
     rows = []
