@@ -97,12 +97,9 @@ def _label(value: Any, spec: dict[str, Any]) -> str:
 
 
 def _key(frame: pd.DataFrame, columns: list[str], spec: dict[str, Any]) -> pd.Series:
-    """One label per row: the values of `columns`, joined."""
-    parts = [frame[c].map(lambda v: _label(v, spec)) for c in columns]
-    key = parts[0]
-    for part in parts[1:]:
-        key = key + " " + part
-    return key
+    """One label per row: the values of `columns` that it has, joined ("inferlab avx512", "llama.cpp")."""
+    labels = frame[columns].apply(lambda row: " ".join(_label(v, spec) for v in row if not pd.isna(v)), axis=1)
+    return labels.astype(str)
 
 
 def _groups(frame: pd.DataFrame, columns: list[str], spec: dict[str, Any]) -> list[tuple[str, pd.DataFrame]]:
