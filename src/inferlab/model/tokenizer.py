@@ -45,6 +45,21 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
 
+    def save_hf_dir(self, path: Path, model_max_length: int) -> Path:
+        """Write this tokenizer as a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json),
+        so tools that tokenize on the client side (lm-eval's `tokenizer_backend=huggingface`) use exactly
+        these ids, offline; from a GGUF this is the only form the tokenizer has on disk."""
+        path.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(path / "tokenizer.json"))
+        names = {"bos_token": self.bos_id, "eos_token": min(self.eos_ids) if self.eos_ids else None}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+                  "add_bos_token": self.add_bos, "clean_up_tokenization_spaces": False,
+                  **{name: self.token_text(i) for name, i in names.items() if i is not None}}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        return path
+
     @classmethod
     def from_gguf_fields(cls, meta: dict[str, Any]) -> "Tokenizer":
         """The file's vocabulary (model/gguf_vocab.py), special ids and chat template."""
