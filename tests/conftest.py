@@ -1,8 +1,14 @@
 """Shared fixtures: tiny random-init models and a byte-level tokenizer built in milliseconds."""
 from __future__ import annotations
 
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
 import pytest
 import torch
+import uvicorn
 from torch import nn
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
@@ -101,3 +107,24 @@ def tiny_engine(tokenizer: Tokenizer, cache_mode: str = "contiguous", slots: int
                           prefix_cache=False, scheduler=SchedulerConfig(max_running=16, max_waiting=64,
                                                                         prefill_chunk=256), kernels=kernels or "fast")
     return InferenceEngine(loaded, config, speculation)
+
+
+@contextmanager
+def running_server(app) -> Iterator[str]:
+    """`app` served by uvicorn on a free loopback port in a thread (a real socket, for real clients and
+    browsers, while the test keeps the engine for its references); yields the base URL."""
+    from inferlab.bench.targets import free_port
+
+    port = free_port("127.0.0.1")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.perf_counter() + 30
+    while not server.started and time.perf_counter() < deadline:
+        time.sleep(0.02)
+    assert server.started, "the test server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

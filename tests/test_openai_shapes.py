@@ -7,17 +7,12 @@ definitions over the model's full-forward logits.
 """
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
-from conftest import tiny_engine
-from inferlab.bench.targets import free_port
+from conftest import running_server, tiny_engine
 from inferlab.server import create_app
 from test_server import PROMPT, make_settings
 
@@ -33,19 +28,8 @@ def engine(tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def client(engine):
-    settings = make_settings(api_keys=[KEY])
-    port = free_port("127.0.0.1")
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, settings, "tiny"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.perf_counter() + 30
-    while not server.started and time.perf_counter() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
-    server.should_exit = True
-    thread.join(10)
+    with running_server(create_app(engine, make_settings(api_keys=[KEY]), "tiny")) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
 
 
 @torch.inference_mode()

@@ -5,10 +5,11 @@ thread) owns the model and the KV memory.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from inferlab.engine.engine import CONTEXT_MARGIN, InferenceEngine, StreamEvent
@@ -23,6 +24,7 @@ from inferlab.server.streams import Dispatcher, EventStreamResponse
 
 GENERATION_ERRORS = (400, 401, 413, 422, 429, 500, 503, 504)
 TOKENIZE_ERRORS = (400, 401, 413, 422, 429, 503)
+PLAYGROUND = Path(__file__).with_name("static") / "playground.html"
 
 
 def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: str) -> FastAPI:
@@ -37,6 +39,11 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(Gate, guards=guards)  # outside the size limit: who may call comes before what they sent
     app.add_middleware(RequestLog, metrics=metrics)  # outermost: it sees every response, 413s included
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def playground() -> HTMLResponse:
+        """A chat page over this server's own SSE API (static/playground.html: no CDN, no build step)."""
+        return HTMLResponse(PLAYGROUND.read_text(encoding="utf-8"))
 
     @app.get("/health", responses=errors(settings, 503))
     def health() -> dict[str, str]:

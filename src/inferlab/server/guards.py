@@ -91,7 +91,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(envelope("internal_error", f"internal error (request {request_id})"), 500)
 
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
 class Guards:
