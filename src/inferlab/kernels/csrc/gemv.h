@@ -211,36 +211,36 @@ struct Bf16Step {
 #endif
 
 // int8 weights times int16 activation codes, summed exactly in int32 (madd, or VNNI's dpwssd), one
-// instruction per 2 * kLanes weights
+// instruction per 16 weights. 256-bit steps on every build: 512-bit ones (32 bytes widened a step) decoded
+// SmolLM2 int8 15% slower on Zen 4, whose 512-bit widening shuffles are double-pumped; the AVX-512 build
+// still gains VNNI's fused multiply-add of the dots.
 struct Int8Step {
   // one row at a time, as one stream: int8 rows are short (one 576-byte row of the model is 9 cache
   // lines), and 4 of them in flight per thread streamed ~20% slower here than one
   static constexpr int kTileRows = 1;
-  static constexpr int64_t kWidth = 2 * kLanes, kXPerWeight = 1;
+  static constexpr int64_t kWidth = kStep, kXPerWeight = 1;
+  using L = Narrow;
   using W = int8_t;
   using X = int16_t;
-  using Acc = Wide::I;
-  static Acc zero() { return Wide::zero_int(); }
-  static Acc step(const W* w, const X* x, Acc acc) { return Wide::dot_int16(acc, Wide::widen(w), Wide::load_int(x)); }
-  static Acc tail(const W* w, const X* x, Acc acc) { return Wide::dot_int16(acc, Wide::widen_half(w), Wide::load_int(x)); }
-  static float total(Acc acc) { return Wide::sum(acc); }
-  static float prepare(const float* x, int64_t K, X* out) {
-    std::fill(out + K, out + round_up(K, kWidth), int16_t{0});
-    return int16_codes(x, K, out);
-  }
+  using Acc = L::I;
+  static Acc zero() { return L::zero_int(); }
+  static Acc step(const W* w, const X* x, Acc acc) { return L::dot_int16(acc, L::widen(w), L::load_int(x)); }
+  static float total(Acc acc) { return L::sum(acc); }
+  static float prepare(const float* x, int64_t K, X* out) { return int16_codes(x, K, out); }
 };
 
 // 4-bit codes q in [0, 15], two per byte (even column in the low nibble), w = q * scale + min per group
 // of `group` columns (GGUF Q4_1's arithmetic). Per group: the integer dot of the codes with the int16
 // activation codes times the group's scale, plus its min times the group's sum of activation codes.
-// One flat loop over steps of kBlocks blocks of 32 columns (16 bytes each; kBlocks = kLanes / 8: the
-// int32 lanes of block j are Wide's 8-lane block j), the integer dots scaled into fp32 sums whenever
+// One flat loop over steps of kBlocks blocks of 32 columns (16 bytes each; kBlocks = L::N / 8: the
+// int32 lanes of block j are L's 8-lane block j), the integer dots scaled into fp32 sums whenever
 // a step ends a group (a nested loop per group ran ~1.3x slower: its accumulators did not stay in
 // registers), the min terms as one dot per row.
 struct Int4Format {
   static constexpr int kTileRows = 4;    // one activation row: 4 weight rows streamed together
   static constexpr int64_t kBlock = 32;  // columns per block: 16 bytes
-  static constexpr int kBlocks = kLanes / 8;
+  using L = Wide;
+  static constexpr int kBlocks = L::N / 8;
   static constexpr int64_t kStepColumns = kBlocks * kBlock;
   const uint8_t* w;                      // (N, K / 2)
   int64_t K, group, G, stride, steps_per_scale;
@@ -270,7 +270,6 @@ struct Int4Format {
 
   template <int R, int M>
   void dot(int64_t n, float* acc, int64_t m0) const {
-    using L = Wide;
     L::V sum[R * M];
     L::I dots[R * M];
     for (int i = 0; i < R * M; ++i) {
@@ -316,7 +315,7 @@ struct Int4Format {
         const float* sums = group_sums.data() + (m0 + m) * G;
         L::V min_terms = L::zero();
         int64_t g = 0;
-        for (; g + kLanes <= G; g += kLanes) min_terms = L::fmadd(L::load(row_mins + g), L::load(sums + g), min_terms);
+        for (; g + L::N <= G; g += L::N) min_terms = L::fmadd(L::load(row_mins + g), L::load(sums + g), min_terms);
         float total = L::sum(sum[r * M + m]) + L::sum(min_terms);
         for (; g < G; ++g) total += row_mins[g] * sums[g];
         acc[r * M + m] = total;

@@ -30,6 +30,7 @@ struct Lanes;
 
 template <>
 struct Lanes<8> {
+  static constexpr int N = 8;
   using V = __m256;
   using I = __m256i;  // 8 int32 lanes, or 16 int16
   static V zero() { return _mm256_setzero_ps(); }
@@ -71,13 +72,16 @@ struct Lanes<8> {
   }
   static I zero_int() { return _mm256_setzero_si256(); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+#ifdef INFERLAB_AVX512
+  static I dot_int16(I acc, I a, I b) { return _mm256_dpwssd_epi32(acc, a, b); }  // + pairs a.b (VNNI)
+#else
   static I dot_int16(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }  // + pairs a.b
+#endif
   static V to_float(I a) { return _mm256_cvtepi32_ps(a); }
   static float sum(I a) { return sum(to_float(a)); }
-  // 2N int8 or uint8 weights as 2N int16 lanes; widen_half: the first N of them (the rest 0, nothing read)
+  // 2N int8 or uint8 weights as 2N int16 lanes; widen_half: the first N uint8 (the rest 0, nothing read)
   static I widen(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static I widen(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static I widen_half(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
   static I widen_half(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
   static I load_int(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I low_nibbles(I bytes) { return _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)); }  // of int16 lanes 0..255
@@ -90,6 +94,7 @@ constexpr int kLanes = 16;
 
 template <>
 struct Lanes<16> {
+  static constexpr int N = 16;
   using V = __m512;
   using I = __m512i;
   static V zero() { return _mm512_setzero_ps(); }
@@ -123,9 +128,7 @@ struct Lanes<16> {
   static I dot_int16(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }  // VNNI: madd and add in one
   static V to_float(I a) { return _mm512_cvtepi32_ps(a); }
   static float sum(I a) { return static_cast<float>(_mm512_reduce_add_epi32(a)); }
-  static I widen(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static I widen(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static I widen_half(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(0xFFFF, p)); }
   static I widen_half(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(0xFFFF, p)); }
   static I load_int(const int16_t* p) { return _mm512_loadu_si512(p); }
   static I low_nibbles(I bytes) { return _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F)); }
