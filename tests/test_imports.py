@@ -1,4 +1,4 @@
-"""Imports point downhill (DESIGN.md): model <- kernels <- quant <- engine <- server, each layer importing only
+"""Imports point downhill: model <- kernels <- quant <- engine <- server, each layer importing only
 those below it, read off every module's import statements; and importing a layer builds nothing."""
 from __future__ import annotations
 

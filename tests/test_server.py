@@ -1,7 +1,7 @@
 """The HTTP server in-process (Starlette TestClient, raw ASGI) over a tiny random-init engine: milliseconds.
 
 References: the engine called directly (same prompt, greedy) for every generation route; the error
-envelope and status table of DESIGN.md for every refusal.
+envelope and status table of server/guards.py for every refusal.
 """
 from __future__ import annotations
 

@@ -213,17 +213,3 @@ def test_first_token_distribution_with_truncation(target, temperature, top_k, to
                                      top_k=top_k, top_p=top_p, seed=seed).tokens[:1]
         counts[tuple(first)] = counts.get(tuple(first), 0) + 1
     assert chi_square_pvalue(counts, exact, n) > 1e-3
-
-
-def test_measure_speculation_counts_and_checks_outputs(target):
-    from inferlab.engine.spec_measure import measure_speculation
-    from inferlab.engine.speculative import Speculation
-
-    prompts = PROMPTS[:3]
-    same = measure_speculation(target, Speculation(ModelDrafter(target), 3), prompts, max_new_tokens=13, repeats=1)
-    assert same.outputs_match and same.acceptance_rate == 1.0 and same.tokens == 3 * 13
-    assert same.target_calls_per_token == pytest.approx(4 / 13)  # rounds of 4 tokens: 4 + 4 + 4 + 1
-    assert same.mean_accepted_length == pytest.approx(9 / 4) and same.speedup > 0
-    sampled = measure_speculation(target, Speculation(NgramDrafter(), 2), prompts, temperature=0.8, max_new_tokens=8,
-                                  repeats=1)
-    assert sampled.outputs_match is None and sampled.tokens == 24 and 0 <= sampled.acceptance_rate <= 1

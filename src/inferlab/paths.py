@@ -22,6 +22,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("INFERLAB_CACHE") or platformdirs.user_cache_dir("inferlab"))
 
 
+def default_draft_dir(model_name: str) -> Path:
+    """Where inferlab-train writes the draft for a model and spec=draft looks for it: in the cache dir."""
+    return cache_dir() / "drafts" / model_name
+
+
 def source_tree() -> Path | None:
     """The repository when the package runs from it (src/inferlab), else None (an installed wheel)."""
     root = Path(__file__).resolve().parents[2]

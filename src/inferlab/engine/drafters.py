@@ -21,6 +21,7 @@ from inferlab.engine.sampling import SamplingParams, probabilities
 from inferlab.errors import ModelLoadError
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer
+from inferlab.paths import default_draft_dir
 from inferlab.quant.apply import weight_bytes
 from inferlab.quant.self_draft import self_draft
 
@@ -210,13 +211,6 @@ def build_drafter(spec: dict[str, Any], model_name: str, target: Transformer, dt
         return ModelDrafter(self_draft(target, str(spec["draft_precision"]), gguf_path), "self",
                             float(spec["min_confidence"]))
     raise ModelLoadError(f"unknown spec {name!r}: use spec=none (or off), spec=ngram, spec=draft or spec=self")
-
-
-def default_draft_dir(model_name: str) -> Path:
-    """Where inferlab-train writes the draft for a model: beside the tokenized corpora, in the cache dir."""
-    from inferlab.paths import cache_dir
-
-    return cache_dir() / "drafts" / model_name
 
 
 def load_draft_model(path: Path, target: Transformer, dtype: torch.dtype, device: torch.device,

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 
 from inferlab.engine.block_manager import BlockManager
-from inferlab.engine.sequence import Request, Status
+from inferlab.engine.sequence import Request
 from inferlab.errors import OverloadedError
 
 
@@ -76,7 +76,6 @@ class Scheduler:
                 self.waiting.pop(0)
                 self.blocks.allocate(request.kv, request.token_ids, request.num_tokens + 1,
                                      reuse=not request.wants_prompt_logprobs)
-                request.status = Status.RUNNING
                 self.running.append(request)
                 n = min(request.num_uncomputed, budget)
                 batch.prefills.append((request, n))
@@ -115,8 +114,6 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.blocks.free(request.kv)
-        request.status = Status.WAITING
-        request.preemptions += 1
         self.preemptions += 1
         self._enqueue(request)
 
@@ -130,8 +127,6 @@ class Scheduler:
             self.blocks.free(request.kv)
         elif request in self.waiting:
             self.waiting.remove(request)
-        request.status = Status.FINISHED
 
     def _enqueue(self, request: Request) -> None:
-        request.status = Status.WAITING
         bisect.insort(self.waiting, request, key=lambda r: (r.priority, r.request_id))

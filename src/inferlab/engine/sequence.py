@@ -6,7 +6,6 @@ history), whose `accept` turns a token into the events the client sees.
 """
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -50,12 +49,6 @@ class StreamEvent:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the request's first event, when asked (echo)
 
 
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
 @dataclass(eq=False)
 class Request:
     request_id: int  # arrival order: ties in priority go first-come first-served
@@ -70,11 +63,9 @@ class Request:
     start: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     kv: BlockTable = field(default_factory=BlockTable)
-    status: Status = Status.WAITING
     cancelled: bool = False
     finish_reason: str | None = None
     first_token_time: float | None = None
-    preemptions: int = 0
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # filled by the prefill
 
     @property

@@ -1,7 +1,7 @@
 """What the server observes: one record per request, logged as one line when the response ends, and
 folded into the JSON (/v1/metrics) and Prometheus (/metrics) views.
 
-TTFT and TPOT are taken server-side with the definitions of DESIGN.md: TTFT = request arrival -> first
+TTFT and TPOT are taken server-side with vLLM's serving-benchmark definitions: TTFT = request arrival -> first
 token ready to send; TPOT = (E2E - TTFT) / (completion_tokens - 1).
 """
 from __future__ import annotations

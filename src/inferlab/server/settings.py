@@ -9,7 +9,7 @@ from limits import parse
 from inferlab.errors import InvalidRequestError
 
 LOG_FORMATS = ("text", "json")
-MAX_NEW_TOKENS_CEILING = 1024  # DESIGN.md: the cap is configurable but never above this
+MAX_NEW_TOKENS_CEILING = 1024  # the cap is configurable, never above this
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from inferlab.engine.drafters import default_draft_dir
 from inferlab.model.loader import load_model
+from inferlab.paths import default_draft_dir
 from inferlab.model.transformer import Transformer
 from inferlab.train.checkpoint import count_parameters, save_checkpoint
 from inferlab.train.corpus import load_tokens

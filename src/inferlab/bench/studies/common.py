@@ -14,6 +14,7 @@ from torch import Tensor
 from inferlab.bench.prompts import make_prompts
 from inferlab.bench.studies import StudyUnavailable
 from inferlab.engine.engine import InferenceEngine, Sequence
+from inferlab.kernels.build import use_isa
 
 
 def prompt_ids(cfg: DictConfig, engine: InferenceEngine, n_tokens: int) -> list[int]:
@@ -46,6 +47,25 @@ def decode_loop(engine: InferenceEngine, seq: Sequence, logits: Tensor, steps: i
         sync(engine.config.device)
         times.append(time.perf_counter() - start)
     return times, logits
+
+
+Runner = Callable[[list[int], int], list[float]]  # (prompt ids, new tokens) -> token arrival times
+
+
+def inferlab_runner(engine: InferenceEngine, isa: str | None = None) -> Runner:
+    """Batch-1 greedy decoding on `engine` (with the kernels of `isa`), timed as the peers study times every engine."""
+    def generate(ids: list[int], n: int) -> list[float]:
+        if isa:
+            use_isa(isa)  # the process's kernels (the engine's decode plan is its own already)
+        logits, seq = engine.prefill(ids, reserve_tokens=n)
+        try:
+            start = time.perf_counter()
+            times, _ = decode_loop(engine, seq, logits, n - 1)
+        finally:
+            seq.release()
+        return [start + sum(times[:i]) for i in range(n)]
+
+    return generate
 
 
 def median_rate(times: list[float], warmup: int) -> float:

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from inferlab.bench.loadgen import LoadSpec, measure
 from inferlab.bench.prompts import load_tokenizer, make_prompts
-from inferlab.bench.studies import Rows, StudyUnavailable, register
+from inferlab.bench.studies import Rows, register
 from inferlab.bench.targets import open_target
 
 STAT_KEYS = ("prefix_cache_hits", "prefix_cache_misses", "kv_blocks_total")
@@ -21,8 +21,6 @@ STAT_KEYS = ("prefix_cache_hits", "prefix_cache_misses", "kv_blocks_total")
 
 @register("batching", "server_latency", "prefix_cache")
 def run(cfg: DictConfig) -> Rows:
-    if cfg.study.name == "prefix_cache" and OmegaConf.select(cfg, "cache.prefix") is None:
-        raise StudyUnavailable("the prefix cache is not available yet (no cache.prefix option)")
     load = OmegaConf.to_container(cfg.load, resolve=True)
     prompts = make_prompts(load_tokenizer(OmegaConf.to_container(cfg.model, resolve=True)), load, seed=cfg.seed or 0)
     hydra = HydraConfig.get()
@@ -31,7 +29,6 @@ def run(cfg: DictConfig) -> Rows:
                      int(load["output_tokens"])) as target:
         metrics = measure(target, prompts, spec, warmup=int(cfg.measure.warmup))
         stats = target.stats()
-    prefix = OmegaConf.select(cfg, "cache.prefix")
     return [{"concurrency": spec.concurrency, "rate": None if math.isinf(spec.rate) else spec.rate,
-             "dataset": load["dataset"], "prefix": None if prefix is None else str(prefix).lower(), **metrics,
+             "dataset": load["dataset"], "prefix": str(cfg.cache.prefix).lower(), **metrics,
              **{k: stats[k] for k in STAT_KEYS if k in stats}}]

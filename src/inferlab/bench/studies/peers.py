@@ -20,14 +20,13 @@ from omegaconf import DictConfig, open_dict
 from inferlab.api import engine_from_config
 from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, StudyUnavailable, register
-from inferlab.bench.studies.common import decode_loop, decode_rate, prompt_ids, read_bandwidth_gb_s, require
+from inferlab.bench.studies.common import Runner, decode_rate, inferlab_runner, prompt_ids, read_bandwidth_gb_s, require
 from inferlab.engine.engine import InferenceEngine
 from inferlab.kernels.build import use_isa
 from inferlab.kernels.isa import supported_isas
 from inferlab.quant.apply import weight_bytes
 from inferlab.paths import cache_dir
 
-Runner = Callable[[list[int], int], list[float]]  # (prompt ids, new tokens) -> token arrival times
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA_CPP_FTYPES = {"fp32": "LLAMA_FTYPE_ALL_F32", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "fp16": "LLAMA_FTYPE_MOSTLY_F16",
                     "int8": "LLAMA_FTYPE_MOSTLY_Q8_0"}  # int4 runs the shipped Q4_1 file itself
@@ -92,21 +91,6 @@ def inferlab_engines(cfg: DictConfig, engine: InferenceEngine) -> dict[str | Non
             isa_cfg.device.isa = isa
         engines[isa] = engine_from_config(isa_cfg)
     return engines
-
-
-def inferlab_runner(engine: InferenceEngine, isa: str | None = None) -> Runner:
-    def generate(ids: list[int], n: int) -> list[float]:
-        if isa:
-            use_isa(isa)  # the process's kernels (the engine's decode plan is its own already)
-        logits, seq = engine.prefill(ids, reserve_tokens=n)
-        try:
-            start = time.perf_counter()
-            times, _ = decode_loop(engine, seq, logits, n - 1)
-        finally:
-            seq.release()
-        return [start + sum(times[:i]) for i in range(n)]
-
-    return generate
 
 
 def transformers_runner(gguf: Path, precision: DictConfig, device: torch.device) -> tuple[Runner, int, str, str]:

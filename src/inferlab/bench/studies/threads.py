@@ -14,8 +14,7 @@ from omegaconf import DictConfig
 from inferlab.api import engine_from_config
 from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, register
-from inferlab.bench.studies.common import decode_rate, prompt_ids, read_bandwidth_gb_s
-from inferlab.bench.studies.peers import inferlab_runner
+from inferlab.bench.studies.common import decode_rate, inferlab_runner, prompt_ids, read_bandwidth_gb_s
 
 
 @register("threads")
