@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
 from inferlab.kernels.select import choose_isa, select_kernels
@@ -16,6 +16,7 @@ from inferlab.engine.speculative import build_speculation
 from inferlab.errors import InvalidRequestError, ModelLoadError
 from inferlab.model.loader import load_model
 from inferlab.paths import conf_dir
+from inferlab.model.native_format import native_precision
 from inferlab.quant import quantize_model
 
 CONF_DIR = conf_dir()
@@ -34,7 +35,7 @@ def compose(config_name: str = "engine", overrides: list[str] | None = None) -> 
         raise InvalidRequestError(_first_line(str(e))) from e
 
 
-def load_engine(model: str = "smollm2-135m", precision: str = "fp32", cache: str = "contiguous", spec: str = "off",
+def load_engine(model: str = "smollm2-135m", precision: str = "auto", cache: str = "paged", spec: str = "off",
                 device: str = "auto", **overrides: Any) -> InferenceEngine:
     """`overrides` take Hydra dotted keys: load_engine(cache="contiguous", **{"cache.slots": 2})."""
     args = [f"model={model}", f"precision={precision}", f"cache={cache}", f"spec={spec}", f"device={device}"]
@@ -50,14 +51,26 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_precision(cfg: DictConfig) -> str:
+    """Replace precision=auto in `cfg` by the model's own format (model/native_format.py); say the choice."""
+    if cfg.precision.name != "auto":
+        return cfg.precision.name
+    name, why = native_precision(OmegaConf.to_container(cfg.model, resolve=True))
+    with open_dict(cfg):
+        cfg.precision = OmegaConf.load(CONF_DIR / "precision" / f"{name}.yaml")
+    return f"{name} (auto: {why})"
+
+
 def engine_from_config(cfg: DictConfig) -> InferenceEngine:
+    """Build the engine `cfg` describes; precision=auto in `cfg` becomes the precision it chose."""
     if cfg.device.threads:
         torch.set_num_threads(int(cfg.device.threads))
     device = resolve_device(cfg.device.name)
-    dtype = getattr(torch, cfg.precision.dtype)
-    model_spec = OmegaConf.to_container(cfg.model, resolve=True)
     if cfg.model.source == "path" and not cfg.model.path:
         raise ModelLoadError("model=local needs model.path=DIR or FILE.gguf")
+    precision = resolve_precision(cfg)
+    dtype = getattr(torch, cfg.precision.dtype)
+    model_spec = OmegaConf.to_container(cfg.model, resolve=True)
     if cfg.cache.prefix and cfg.cache.mode != "paged":
         raise InvalidRequestError(f"cache.prefix=true needs cache=paged (got cache={cfg.cache.mode})")
     choose_isa(device, cfg.device.kernels, cfg.device.isa)
@@ -74,7 +87,7 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
                               top_k=cfg.top_k, seed=cfg.seed, stop=list(cfg.stop))
     kv_blocks = blocks_for_budget(loaded.config, cfg.cache.kv_budget_mb, cfg.cache.block_size, dtype) \
         if cfg.cache.kv_budget_mb else 0
-    config = EngineConfig(device=device, dtype=dtype, cache_mode=cfg.cache.mode,
+    config = EngineConfig(device=device, dtype=dtype, precision=precision, cache_mode=cfg.cache.mode,
                           max_seq_len=loaded.config.max_seq_len, slots=cfg.cache.slots, defaults=defaults,
                           block_size=cfg.cache.block_size, kv_blocks=kv_blocks, prefix_cache=cfg.cache.prefix,
                           scheduler=SchedulerConfig(**cfg.scheduler), kernels=cfg.device.kernels)

