@@ -84,7 +84,7 @@ class LaunchedServer:
         self.timeout, self.log_path, self.health_path = startup_timeout_s, log_path, health_path
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> str:
+    def __enter__(self) -> "LaunchedServer":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -94,7 +94,7 @@ class LaunchedServer:
         except BaseException:
             self.stop()
             raise
-        return self.url
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -113,11 +113,19 @@ class LaunchedServer:
             time.sleep(0.2)
         raise RuntimeError(f"server did not answer {self.url}{self.health_path} within {self.timeout:.0f} s (log: {self.log_path})")
 
+    def pause(self) -> None:
+        """Stop the server's processes where they stand (SIGSTOP), so an idle server takes no CPU time."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.process.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         """Signal the server's whole process group (its own session): servers such as vLLM run workers."""
         if self.process is None or self.process.poll() is not None:
             return
         os.killpg(self.process.pid, signal.SIGTERM)
+        os.killpg(self.process.pid, signal.SIGCONT)  # a paused server handles the signal once it runs
         try:
             self.process.wait(timeout=15)
         except subprocess.TimeoutExpired:
@@ -126,7 +134,7 @@ class LaunchedServer:
 
 
 class ServerProcess(LaunchedServer):
-    """`inferlab-serve` (`command`) with Hydra `overrides`, on a free port of `host`."""
+    """`inferlab-serve` (`command`) with Hydra `overrides`, on a free port of `host`; `with` gives its URL."""
 
     def __init__(self, command: list[str], overrides: list[str], host: str, startup_timeout_s: float,
                  log_path: Path) -> None:
@@ -134,3 +142,6 @@ class ServerProcess(LaunchedServer):
         executable = shutil.which(command[0], path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         argv = [executable or command[0], *command[1:], *overrides, f"server.host={host}", f"server.port={port}"]
         super().__init__(argv, host, port, startup_timeout_s, log_path)
+
+    def __enter__(self) -> str:
+        return super().__enter__().url

@@ -1,7 +1,7 @@
 """serving: output tokens/s, TTFT and TPOT of inferlab-serve, llama.cpp's server and vLLM's, side by side.
 
-Every server runs at once on its own loopback port, on the same weights (the job's GGUF), and the same
-load generator drives each in turn with the same prompts: in each round, for each concurrency level, every
+Every server is started once on its own loopback port, on the same weights (the job's GGUF), and the same
+load generator drives each in turn with the same prompts, the others paused (SIGSTOP) meanwhile: in each round, for each concurrency level, every
 server gets one closed-loop streaming load of max(load.num_requests, c) requests (the server order
 rotates between rounds). Each figure is the median over the rounds. A peer that is not installed (or, for
 vLLM, no `study.vllm_python`) gives a row saying so instead.
@@ -43,13 +43,27 @@ def run(cfg: DictConfig) -> Rows:
     log_dir = Path(HydraConfig.get().runtime.output_dir)
     samples: dict[tuple[str, int], list[dict[str, float]]] = {(s.name, c): [] for s in specs for c in levels}
     with ExitStack() as stack:
-        urls = {s.name: stack.enter_context(s.launch(float(study.startup_timeout_s), log_dir)) for s in specs}
+        servers = {}
+        for spec in specs:  # started one by one, each paused once up: a start is minutes of CPU for vLLM
+            servers[spec.name] = stack.enter_context(spec.launch(float(study.startup_timeout_s), log_dir))
+            servers[spec.name].pause()
+
+        def drive(spec: ServerSpec, prompts: list[Prompt], concurrency: int) -> dict[str, float]:
+            """One load on one server, the others paused (an idle server's threads may still spin)."""
+            server = servers[spec.name]
+            server.resume()
+            try:
+                target = HTTPTarget(server.url, "completions", spec.model, int(load["output_tokens"]), 0.0)
+                return measure(target, prompts, LoadSpec(concurrency))
+            finally:
+                server.pause()
+
         for spec in specs:  # warm-up: compile paths, fill caches, untimed
-            drive(spec, urls[spec.name], prompts[levels[0]][:max(1, int(cfg.measure.warmup))], 1, load)
+            drive(spec, prompts[levels[0]][:max(1, int(cfg.measure.warmup))], 1)
         for r in tqdm(range(int(cfg.measure.repeats)), desc="serving rounds", leave=False):
             for c in levels:
                 for spec in specs[r % len(specs):] + specs[:r % len(specs)]:
-                    samples[spec.name, c].append(drive(spec, urls[spec.name], prompts[c], c, load))
+                    samples[spec.name, c].append(drive(spec, prompts[c], c))
     for spec in specs:
         base = None
         for c in levels:
@@ -59,11 +73,6 @@ def run(cfg: DictConfig) -> Rows:
                          "requests": len(prompts[c]), "prompt_tokens": int(load["prompt_tokens"]),
                          "output_tokens": int(load["output_tokens"]), "weights": spec.weights, "note": None})
     return rows
-
-
-def drive(spec: ServerSpec, url: str, prompts: list[Prompt], concurrency: int, load: dict[str, Any]) -> dict[str, float]:
-    target = HTTPTarget(url, "completions", spec.model, int(load["output_tokens"]), 0.0)
-    return measure(target, prompts, LoadSpec(concurrency))
 
 
 def server_specs(cfg: DictConfig, model_name: str, gguf: Path | None) -> tuple[list[ServerSpec], Rows]:
