@@ -82,7 +82,8 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
     speculation = build_speculation(OmegaConf.to_container(cfg.spec, resolve=True), cfg.model.name, loaded.model,
                                     dtype, device, loaded.gguf_path)
     drafts = speculation.drafter.models() if speculation else []
-    select_kernels(nn.ModuleList([loaded.model, *drafts]), device, dtype, cfg.device.kernels)
+    select_kernels(nn.ModuleList([loaded.model, *drafts]), device, dtype, cfg.device.kernels,
+                   cfg.device.dense_copy_mb)
     defaults = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                               top_k=cfg.top_k, seed=cfg.seed, stop=list(cfg.stop))
     kv_blocks = blocks_for_budget(loaded.config, cfg.cache.kv_budget_mb, cfg.cache.block_size, dtype) \

@@ -53,3 +53,21 @@ class KernelLayer(Protocol):
         """The weights as the gemv kernel reads them; None while this layer does not run on it (the
         portable path, or weights stored for another kernel)."""
         ...
+
+
+@runtime_checkable
+class DenseCopyLayer(Protocol):
+    """A quantized layer that can also hold its weights dequantized, for products of many rows.
+
+    The gemv kernel takes at most GEMV_MAX_ROWS rows. A prompt chunk or a large decode batch is a GEMM, and
+    there a dense bf16/fp32 GEMM (oneDNN) over a dequantized copy is several times faster than the integer
+    library kernels and >10x faster than dequantizing at every call (the issue's and kernels/aten.py's
+    measurements): the copy trades memory for that speed, within `device.dense_copy_mb`.
+    """
+
+    in_features: int
+    out_features: int
+
+    def keep_dense_copy(self, dtype: torch.dtype) -> int:
+        """Hold the dequantized weights in `dtype` from now on; return their bytes (0: this layer cannot)."""
+        ...

@@ -10,7 +10,7 @@ from inferlab.kernels.build import fast_kernels_apply, use_isa
 from inferlab.kernels.gemv import GemvLinear
 from inferlab.kernels.huge_pages import move_weights_to_huge_pages
 from inferlab.kernels.isa import resolve_isa
-from inferlab.kernels.layer import KernelLayer
+from inferlab.kernels.layer import DenseCopyLayer, KernelLayer
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +24,15 @@ def choose_isa(device: torch.device, kernels: str, isa: str) -> str | None:
     return use_isa(isa)
 
 
-def select_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str) -> list[str]:
+def select_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str,
+                   dense_copy_mb: float = 0) -> list[str]:
     """Swap each plain nn.Linear for the kernel chosen for this device; return the swapped names.
 
     Layers already on the kernels (KernelLayer: the quantized ones of quant/) pick their kernels per call
-    and are left alone, except that `kernels=portable` sends them down their reference path too. On CPU with
-    `kernels=fast` the weights then move onto huge pages (huge_pages.py).
+    and are left alone, except that `kernels=portable` sends them down their reference path too. With
+    `kernels=fast`, quantized layers also keep a dequantized copy for products of many rows when all the
+    copies fit in `dense_copy_mb` (layer.DenseCopyLayer). On CPU the weights then move onto huge pages
+    (huge_pages.py).
     """
     fast = fast_kernels_apply(device, dtype, kernels)
     swapped = []
@@ -40,7 +43,23 @@ def select_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, k
             if fast and type(child) is nn.Linear:
                 setattr(module, child_name, GemvLinear(child))
                 swapped.append(f"{name}.{child_name}" if name else child_name)
+    if kernels == "fast" and dense_copy_mb:
+        keep_dense_copies(model, dtype, dense_copy_mb)
     if kernels == "fast" and device.type == "cpu":
         moved = move_weights_to_huge_pages(model)
         log.info("weights on huge pages: %.1f MiB", moved / 2**20)
     return swapped
+
+
+def keep_dense_copies(model: nn.Module, dtype: torch.dtype, budget_mb: float) -> int:
+    """Dequantized copies of every quantized layer, when they all fit in `budget_mb`; return their bytes."""
+    layers = {id(m): m for m in model.modules() if isinstance(m, DenseCopyLayer)}.values()
+    need = sum(m.out_features * m.in_features for m in layers) * torch.empty(0, dtype=dtype).element_size()
+    if not layers or need > budget_mb * 2**20:
+        if layers:
+            log.info("no dense copies of the quantized layers: %.0f MiB > device.dense_copy_mb=%g", need / 2**20,
+                     budget_mb)
+        return 0
+    kept = sum(m.keep_dense_copy(dtype) for m in layers)
+    log.info("dense copies of the quantized layers for many-row steps: %.1f MiB", kept / 2**20)
+    return kept

@@ -81,6 +81,14 @@ class Int4GroupLinear(nn.Module):
             self.register_buffer("weight", to_int4pack(q, self.layout))
             self.register_buffer("scales_and_zeros", int4pack_scales_and_zeros(scales, mins))  # (G, N, 2)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.register_buffer("dense", None, persistent=False)  # dequantized, for many rows (keep_dense_copy)
+
+    def keep_dense_copy(self, dtype: torch.dtype) -> int:
+        """kernels/layer.py's DenseCopyLayer: the same values the reference path computes at each call."""
+        if self.layout != "rows":
+            return 0
+        self.dense = self.dequantize().to(dtype)
+        return self.dense.nbytes
 
     def dequantize(self) -> Tensor:
         """The fp32 weights (N, K) the reference layout holds."""
@@ -99,6 +107,8 @@ class Int4GroupLinear(nn.Module):
         if self.layout == "rows" and self.use_kernel and gemv_fits(x, self.in_features * (1 + gated)):  # decode
             return gemv(x, self.weight, self.scales, self.bias, norm, gated, self.mins)
         x = prepared_input(x, norm, gated)
+        if self.dense is not None and self.use_kernel and self.dense.dtype == x.dtype:  # a prompt, a large batch
+            return F.linear(x, self.dense, self.bias)
         if self.layout == "rows":
             return F.linear(x, self.dequantize().to(x.dtype), self.bias)
         if x.device.type != self.layout:

@@ -34,6 +34,7 @@ class Int8Linear(nn.Module):
         self.use_kernel = use_kernel
         self.register_buffer("weight", codes)
         self.register_buffer("scales", scales.to(weight.dtype))
+        self.register_buffer("dense", None, persistent=False)  # dequantized, for many rows (keep_dense_copy)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def dequantize(self) -> Tensor:
@@ -44,10 +45,17 @@ class Int8Linear(nn.Module):
 
     fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_glu
 
+    def keep_dense_copy(self, dtype: torch.dtype) -> int:
+        """kernels/layer.py's DenseCopyLayer: the same values the reference path computes at each call."""
+        self.dense = self.dequantize().to(dtype)
+        return self.dense.nbytes
+
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
         if self.use_kernel and gemv_fits(x, self.in_features * (1 + gated)):  # decode: one pass over the rows
             return gemv(x, self.weight, self.scales, self.bias, norm, gated)
         x = prepared_input(x, norm, gated)
+        if self.dense is not None and self.use_kernel and self.dense.dtype == x.dtype:  # a prompt, a large batch
+            return F.linear(x, self.dense, self.bias)
         if self.use_kernel and int8_kernel_fits(x.device, x.dtype):
             y = int8_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             y = y.view(*x.shape[:-1], self.out_features)
