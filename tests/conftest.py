@@ -3,22 +3,23 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import pytest
 import torch
 import uvicorn
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
-from inferlab.kernels.build import active_isa, load_isa, use_isa
-from inferlab.kernels.isa import ISAS, cpu_flags, supported_isas
-from inferlab.kernels.select import select_kernels
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.engine.speculative import build_speculation
+from inferlab.kernels.build import active_isa, load_isa, use_isa
+from inferlab.kernels.isa import ISAS, cpu_flags, supported_isas
+from inferlab.kernels.select import select_kernels
 from inferlab.model.config import ModelConfig
 from inferlab.model.loader import LoadedModel
 from inferlab.model.tokenizer import Tokenizer

@@ -1,10 +1,9 @@
 """Batched generation of prompts of different lengths against one request at a time."""
 import pytest
 import torch
+from conftest import tiny_engine
 
 from inferlab.engine.batch import LeftPaddedBatch
-
-from conftest import tiny_engine
 
 PROMPTS = [list(range(5, 5 + n)) for n in (7, 30, 19, 3)]
 

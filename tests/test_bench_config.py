@@ -2,13 +2,12 @@
 whose jobs Hydra's own sweeper launches; swept values this checkout lacks become "unavailable" results."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import itertools
+import json
 
 import pytest
-from hydra import compose as hydra_compose, initialize_config_dir
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from hydra._internal.hydra import Hydra
 from hydra._internal.utils import create_config_search_path
 from hydra.core.global_hydra import GlobalHydra

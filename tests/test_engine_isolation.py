@@ -7,8 +7,8 @@ import asyncio
 import time
 
 import pytest
-
 from conftest import tiny_engine
+
 from inferlab.engine.engine import GenerationRequest
 from inferlab.errors import EngineFailedError, GenerationError
 

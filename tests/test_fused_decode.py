@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_engine, tiny_model
 
 from inferlab.engine.block_manager import BlockManager, BlockTable
 from inferlab.engine.drafters import ModelRunner
@@ -9,8 +10,6 @@ from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.kernels.gemv import GEMV_MAX_ROWS
-
-from conftest import tiny_engine, tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here")
 

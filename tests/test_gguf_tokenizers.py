@@ -5,10 +5,11 @@ import json
 
 import gguf
 import pytest
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+from gguf_writer import add_vocab
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
-from gguf_writer import add_vocab
 from inferlab.model.gguf_loader import read_gguf_fields
 from inferlab.model.tokenizer import Tokenizer
 

@@ -6,7 +6,8 @@ import pytest
 
 from inferlab.api import load_engine
 from inferlab.errors import InvalidRequestError
-from inferlab.kernels import build, isa as isa_module
+from inferlab.kernels import build
+from inferlab.kernels import isa as isa_module
 from inferlab.kernels.build import active_isa, use_isa
 from inferlab.kernels.isa import ISAS, resolve_isa, supported_isas
 from inferlab.paths import cache_dir

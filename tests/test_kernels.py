@@ -3,6 +3,7 @@ reference they replace."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_engine
 from torch import nn
 
 from inferlab.kernels.attention import decode_attention, decode_attention_applies
@@ -12,8 +13,6 @@ from inferlab.kernels.select import select_kernels
 from inferlab.model.transformer import RMSNorm, linear_after_glu, linear_after_norm
 from inferlab.quant.int4 import dequantize_groups_int4, pack_nibbles
 from inferlab.quant.int8 import Int8Linear
-
-from conftest import tiny_engine
 
 needs_gemv = pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here")
 

@@ -1,12 +1,10 @@
 """KV-cached decoding against full recomputation, the cache's in-place writes, and the slot pool."""
 import pytest
 import torch
+from conftest import tiny_config, tiny_engine
 
 from inferlab.engine.kv_cache import CachedAttend, KVCache, SlotPool, compute_kv_cache_bytes
-from inferlab.engine.sampling import SamplingParams
 from inferlab.errors import CapacityError
-
-from conftest import tiny_config, tiny_engine
 
 
 def test_cached_decode_matches_full_recompute_at_every_step(tiny_tokenizer):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from test_bench_smoke import one_ok_result
 
 pytestmark = [pytest.mark.slow,

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import uvicorn
+from conftest import tiny_engine
 from starlette.applications import Starlette
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
@@ -19,7 +20,6 @@ from inferlab.bench.loadgen import HTTPTarget, LoadSpec, metrics_table, read_chu
 from inferlab.bench.metrics import SLO, RequestRecord, summarize
 from inferlab.bench.prompts import Prompt
 from inferlab.bench.targets import EngineTarget
-from conftest import tiny_engine
 
 
 def synthetic() -> list[RequestRecord]:

@@ -11,10 +11,10 @@ import httpx
 import openai
 import pytest
 import torch
-
 from conftest import running_server, tiny_engine
-from inferlab.server import create_app
 from test_server import PROMPT, make_settings
+
+from inferlab.server import create_app
 
 KEY = "k-shapes"
 

@@ -1,11 +1,10 @@
 """Paged KV blocks against the contiguous cache: attention, batched forwards, and the pool's memory."""
 import torch
+from conftest import tiny_config, tiny_engine, tiny_model
 
 from inferlab.engine.block_manager import BlockManager, BlockTable
 from inferlab.engine.kv_cache import CachedAttend, KVCache, compute_kv_cache_bytes
 from inferlab.engine.paged import PagedAttend, PagedKVCache, blocks_for_budget, forward_paged
-
-from conftest import tiny_config, tiny_engine, tiny_model
 
 CPU = torch.device("cpu")
 

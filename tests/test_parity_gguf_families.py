@@ -1,7 +1,6 @@
 """Each family as a GGUF file (written with gguf's GGUFWriter from the same random weights, laid out as
 llama.cpp's converter does) against transformers on the original model: logits and greedy tokens."""
 import pytest
-
 from conftest import byte_level_backend
 from gguf_writer import byte_level_vocab, write_gguf
 from test_parity_transformers import MAX_SEQ_LEN, assert_engine_matches, local_engine, reference_model

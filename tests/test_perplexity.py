@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import tiny_model
+
 from inferlab.bench.perplexity import evaluate_perplexity, windows
 from inferlab.errors import InvalidRequestError
 from inferlab.train.corpus import VAL_EVERY, documents, load_tokens, split_documents, token_file

@@ -7,10 +7,10 @@ import os
 import shutil
 
 import pytest
-
 from conftest import running_server, tiny_engine
-from inferlab.server import create_app
 from test_server import make_settings
+
+from inferlab.server import create_app
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 KEY = "k-page"

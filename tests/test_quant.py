@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_model
 from gguf import GGMLQuantizationType, quants
 from torch import nn
 
-from conftest import tiny_model
 from inferlab.errors import QuantizationError
+from inferlab.kernels.aten import int4_layout, int4_mm, int4pack_scales_and_zeros, to_int4pack
 from inferlab.quant import Int4GroupLinear, Int8Embedding, Int8Linear, quantize_model, weight_bytes
 from inferlab.quant.gguf_q4 import q4_1_codes
 from inferlab.quant.int4 import dequantize_groups_int4, pack_nibbles, quantize_groups_int4, unpack_nibbles
-from inferlab.kernels.aten import int4_layout, int4_mm, int4pack_scales_and_zeros, to_int4pack
 
 
 def random_linear(n: int, k: int, bias: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Linear:

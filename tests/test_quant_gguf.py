@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from inferlab.api import compose, load_engine
+from inferlab.kernels.aten import int4_layout
 from inferlab.model.loader import LoadedModel, load_model
 from inferlab.quant import Int4GroupLinear, Int8Linear, quantize_model
 from inferlab.quant.gguf_q4 import read_q4_1_linears
-from inferlab.kernels.aten import int4_layout
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"

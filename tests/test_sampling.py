@@ -1,14 +1,14 @@
 """Sampling against exact distributions, stop strings, and streaming detokenization."""
 import pytest
 import torch
+from conftest import tiny_engine
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
 
 from inferlab.engine.sampling import SamplingParams, probabilities, sample
 from inferlab.engine.stop import TextStream
 from inferlab.errors import InvalidRequestError
 from inferlab.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-
-from conftest import tiny_engine
 
 
 def params(**kw) -> SamplingParams:

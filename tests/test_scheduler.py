@@ -4,7 +4,9 @@ import time
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from conftest import tiny_engine
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.engine import GenerationRequest, InferenceEngine
@@ -13,8 +15,6 @@ from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request
 from inferlab.errors import CapacityError, OverloadedError
-
-from conftest import tiny_engine
 
 PREFIXES = [[1, 2, 3, 4, 5, 6], [9, 9, 9, 9], []]
 

@@ -12,9 +12,9 @@ import logging
 import time
 
 import pytest
+from conftest import tiny_engine
 from fastapi.testclient import TestClient
 
-from conftest import tiny_engine
 from inferlab.api import compose
 from inferlab.errors import OverloadedError
 from inferlab.server import ServerSettings, create_app

@@ -3,12 +3,12 @@ no 5xx, and every error in the envelope {"error": {"code", "message", "type", "p
 from __future__ import annotations
 
 import schemathesis
+from conftest import tiny_engine
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
-
-from conftest import tiny_engine
-from inferlab.server import create_app
 from test_server import make_settings
+
+from inferlab.server import create_app
 
 
 def test_fuzz_no_5xx_and_errors_in_the_envelope(tiny_tokenizer):

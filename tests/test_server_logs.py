@@ -5,8 +5,9 @@ import json
 import logging
 
 from conftest import tiny_engine
-from inferlab.server.logs import JsonFormatter
 from test_server import PROMPT, client_for
+
+from inferlab.server.logs import JsonFormatter
 
 
 def test_request_line_as_json_keeps_the_callers_request_id(tiny_tokenizer, caplog):

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_engine
-from inferlab.bench.targets import ServerProcess
 from test_server import client_for
+
+from inferlab.bench.targets import ServerProcess
 
 KEY = "k-schema"
 CONFIG = Path(__file__).with_name("schemathesis.toml")

@@ -5,8 +5,8 @@ import itertools
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from inferlab.engine import speculative
 from inferlab.engine.drafters import ModelDrafter, ModelRunner, NgramDrafter, lookup_continuation
 from inferlab.engine.sampling import SamplingParams, probabilities

@@ -4,15 +4,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
-
 from conftest import tiny_engine, tiny_model
+
 from inferlab.api import load_engine
 from inferlab.engine.drafters import ModelDrafter, NgramDrafter
 from inferlab.engine.engine import GenerationRequest
-from inferlab.kernels.build import cpu_gemv_available
 from inferlab.engine.speculative import Speculation
 from inferlab.errors import ModelLoadError
+from inferlab.kernels.build import cpu_gemv_available
 from inferlab.train.checkpoint import save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_engine, tiny_model
 from omegaconf import OmegaConf
 
-from conftest import tiny_engine, tiny_model
 from inferlab.api import CONF_DIR
-from inferlab.kernels.build import cpu_gemv_available
 from inferlab.errors import QuantizationError
+from inferlab.kernels.build import cpu_gemv_available
 from inferlab.quant import quantize_model
 from inferlab.quant.int4 import Int4GroupLinear
 from inferlab.quant.int8 import Int8Embedding, Int8Linear

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from inferlab.model.loader import load_model
 from inferlab.train.checkpoint import save_checkpoint
 from inferlab.train.data import random_windows

@@ -4,19 +4,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 from omegaconf import DictConfig, OmegaConf, open_dict
+from torch import nn
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
-from inferlab.kernels.select import choose_isa, select_kernels
 from inferlab.engine.paged import blocks_for_budget
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.engine.speculative import build_speculation
 from inferlab.errors import InvalidRequestError, ModelLoadError
+from inferlab.kernels.select import choose_isa, select_kernels
 from inferlab.model.loader import load_model
-from inferlab.paths import conf_dir
 from inferlab.model.native_format import native_precision
+from inferlab.paths import conf_dir
 from inferlab.quant import quantize_model
 
 CONF_DIR = conf_dir()
@@ -24,7 +24,8 @@ CONF_DIR = conf_dir()
 
 def compose(config_name: str = "engine", overrides: list[str] | None = None) -> DictConfig:
     """Compose a config from conf/ the way the command line would, with Hydra's override syntax."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from inferlab.paths import conf_dir
 from inferlab.errors import InferlabError
+from inferlab.paths import conf_dir
 
 
 def hydra_app(config_name: str) -> Callable[[Callable[[DictConfig], None]], Callable[[], None]]:

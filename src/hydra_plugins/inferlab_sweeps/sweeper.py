@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.types import Override
@@ -14,7 +13,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 
 class InferlabSweeper(BasicSweeper):
-    def split_arguments(self, overrides: List[Override], max_batch_size: int | None) -> List[List[List[str]]]:  # type: ignore[override]
+    def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:  # type: ignore[override]
         (jobs,) = BasicSweeper.split_arguments(overrides, None)
         runnable, missing = [], []
         for job in jobs:
@@ -27,7 +26,7 @@ class InferlabSweeper(BasicSweeper):
             return []
         return list(BasicSweeper.split_overrides_to_chunks(runnable_jobs, max_batch_size))
 
-    def _cannot_compose(self, job: List[str]) -> str | None:
+    def _cannot_compose(self, job: list[str]) -> str | None:
         assert self.hydra_context is not None and self.config is not None
         try:
             self.hydra_context.config_loader.load_sweep_config(self.config, list(job))
@@ -37,7 +36,7 @@ class InferlabSweeper(BasicSweeper):
             return first + (" (no such config key)" if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) else "")
         return None
 
-    def _record(self, missing: list[tuple[List[str], str | None]]) -> None:
+    def _record(self, missing: list[tuple[list[str], str | None]]) -> None:
         from inferlab.bench.results import unavailable_result, write_result  # only when a sweep needs it
 
         assert self.config is not None

@@ -7,7 +7,7 @@ the way any other group option is selected.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+import builtins
 
 from hydra._internal.core_plugins.file_config_source import FileConfigSource
 from hydra.core.object_type import ObjectType
@@ -32,7 +32,7 @@ class SweepsConfigSource(ConfigSource):
         return "inferlab-sweeps"
 
     @staticmethod
-    def _inside(config_path: str) -> Optional[str]:
+    def _inside(config_path: str) -> str | None:
         """`sweep/NAME` -> `NAME`, `sweep` -> ``; None for a path outside the group."""
         head, _, rest = config_path.strip("/").partition("/")
         return rest if head == GROUP else None
@@ -54,7 +54,7 @@ class SweepsConfigSource(ConfigSource):
         inside = self._inside(config_path)
         return bool(inside) and self.folder.is_config(inside)
 
-    def list(self, config_path: str, results_filter: Optional[ObjectType]) -> List[str]:
+    def list(self, config_path: str, results_filter: ObjectType | None) -> builtins.list[str]:
         if config_path.strip("/") == "":
             return [GROUP] if results_filter in (None, ObjectType.GROUP) else []
         inside = self._inside(config_path)

@@ -4,14 +4,13 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from inferlab.kernels.isa import supported_isas
-
 from inferlab.paths import source_tree
 
 
@@ -31,7 +30,7 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 

@@ -2,7 +2,8 @@
 report > log`), and gone once done so the next job's lines follow."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from tqdm.auto import tqdm
 

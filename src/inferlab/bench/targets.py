@@ -8,10 +8,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 from omegaconf import DictConfig
@@ -84,7 +85,7 @@ class LaunchedServer:
         self.timeout, self.log_path, self.health_path = startup_timeout_s, log_path, health_path
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> "LaunchedServer":
+    def __enter__(self) -> LaunchedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -143,5 +144,5 @@ class ServerProcess(LaunchedServer):
         argv = [executable or command[0], *command[1:], *overrides, f"server.host={host}", f"server.port={port}"]
         super().__init__(argv, host, port, startup_timeout_s, log_path)
 
-    def __enter__(self) -> str:
+    def __enter__(self) -> str:  # type: ignore[override]  # the URL, for `with ... as url`
         return super().__enter__().url

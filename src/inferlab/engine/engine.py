@@ -11,21 +11,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from abc import ABC, abstractmethod
-from contextlib import closing
 import threading
-import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from queue import SimpleQueue
-from typing import AsyncIterator, Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
 from inferlab.engine.block_manager import BlockManager, BlockTable
-from inferlab.kernels.fused_decode import FusedDecode
-from inferlab.kernels.attention import decode_attention_applies
 from inferlab.engine.kv_cache import CachedAttend, KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.engine.prefix_cache import PrefixCache
@@ -35,6 +32,8 @@ from inferlab.engine.sequence import Request, StreamEvent, Timings
 from inferlab.engine.speculative import Speculation, stream_events
 from inferlab.engine.stop import TextStream
 from inferlab.errors import CapacityError, EngineFailedError, GenerationError, InvalidRequestError
+from inferlab.kernels.attention import decode_attention_applies
+from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.loader import LoadedModel
 from inferlab.model.transformer import Transformer, causal_attend
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inferlab.kernels.attention import decode_attention
 from inferlab.errors import CapacityError
+from inferlab.kernels.attention import decode_attention
 from inferlab.model.config import ModelConfig
 from inferlab.model.transformer import PLAIN, AttentionSpan, attend_over
 

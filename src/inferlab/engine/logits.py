@@ -10,8 +10,8 @@ temperature), as vLLM reports them by default.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Collection
 
 import torch
 from torch import Tensor

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inferlab.kernels.fused_decode import FusedDecode
-from inferlab.kernels.attention import decode_attention
 from inferlab.engine.kv_cache import KVCache, compute_kv_cache_bytes
+from inferlab.kernels.attention import decode_attention
+from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.config import ModelConfig
 from inferlab.model.transformer import PLAIN, AttentionSpan, Transformer, attend_over
 
@@ -30,12 +30,12 @@ class PagedKVCache:
 
     @classmethod
     def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> "PagedKVCache":
+                 device: torch.device) -> PagedKVCache:
         shape = (config.n_layers, num_blocks, config.n_kv_heads, block_size, config.head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
     @classmethod
-    def over_slots(cls, cache: KVCache) -> "PagedKVCache":
+    def over_slots(cls, cache: KVCache) -> PagedKVCache:
         """The contiguous cache's buffers seen as blocks: slot i is block i of max_seq_len tokens (no copy)."""
         return cls(cache.k, cache.v, cache.decode_kernel)
 

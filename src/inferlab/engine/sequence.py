@@ -7,8 +7,8 @@ history), whose `accept` turns a token into the events the client sees.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ class Timings:
     tokens_per_sec: float  # decode rate: 1000 / tpot_ms
 
     @classmethod
-    def measure(cls, start: float, first: float, end: float, prompt_tokens: int, completion_tokens: int) -> "Timings":
+    def measure(cls, start: float, first: float, end: float, prompt_tokens: int, completion_tokens: int) -> Timings:
         ttft, total = (first - start) * 1e3, (end - start) * 1e3
         tpot = (total - ttft) / (completion_tokens - 1) if completion_tokens > 1 else 0.0
         return cls(prompt_tokens, completion_tokens, ttft, total, tpot, 1e3 / tpot if tpot > 0 else 0.0)

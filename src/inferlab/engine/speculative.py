@@ -12,18 +12,19 @@ With `spec.adaptive`, each sequence picks its round's K from its own acceptance 
 from __future__ import annotations
 
 import threading
-from pathlib import Path
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from inferlab.engine.adaptive_k import AdaptiveK
 from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, ModelRunner, build_drafter
-from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.engine.sampling import SamplingParams, probabilities
 from inferlab.engine.sequence import Request, StreamEvent
+from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer
 
 
@@ -48,7 +49,7 @@ class SpecStats:
     def target_calls_per_token(self) -> float:
         return self.target_calls / self.generated if self.generated else 0.0
 
-    def add(self, other: "SpecStats") -> None:
+    def add(self, other: SpecStats) -> None:
         for name in ("target_calls", "draft_calls", "proposed", "accepted", "generated"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 

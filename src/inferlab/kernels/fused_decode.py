@@ -66,7 +66,7 @@ class FusedDecode:
                  positions: Tensor) -> Tensor:
         # tokens (B,) -> logits (B, vocab); k_cache, v_cache (n_layers, num_blocks, n_kv_heads, block_size, head_dim)
         x = self.model.tok_embeddings(tokens)  # (B, dim)
-        return self.plan.step(x, k_cache, v_cache, block_tables, positions)
+        return self.plan.step(x, k_cache, v_cache, block_tables, positions)  # type: ignore[attr-defined]  # a C++ class
 
     def extend(self, token_ids: list[int], k_cache: Tensor, v_cache: Tensor, block_table: Tensor, start: int) -> Tensor:
         """n <= GEMV_MAX_ROWS new tokens of ONE sequence at positions start.. as the n rows of one step -> logits

@@ -104,7 +104,7 @@ class ModelConfig:
                 and self.activation == "silu" and self.embed_scale == 1.0 and self.rotary_dim == self.head_dim)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
         """Build from a preset (the keys of this dataclass); unknown keys are an error."""
         known = {f.name for f in fields(cls)}
         unknown = set(values) - known
@@ -113,7 +113,7 @@ class ModelConfig:
         return cls(**values)
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face config.json (transformers 4.x or 5.x spelling) of a family in FAMILIES."""
         arch = hf.get("model_type", "llama")
         if arch not in FAMILIES:
@@ -158,7 +158,7 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_fields(cls, meta: dict[str, Any], has_output_weight: bool,
-                         rope_factors: dict[str, list[float]] | None = None) -> "ModelConfig":
+                         rope_factors: dict[str, list[float]] | None = None) -> ModelConfig:
         """Build from GGUF key/values (`<arch>.*`, as llama.cpp's converter writes them); tied embeddings when
         the file has no output.weight. `rope_factors`: the file's rope_freqs / rope_factors_{long,short} tensors."""
         arch = meta["general.architecture"]

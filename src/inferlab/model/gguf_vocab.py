@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from inferlab.errors import ModelLoadError
 

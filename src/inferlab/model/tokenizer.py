@@ -61,7 +61,7 @@ class Tokenizer:
         return path
 
     @classmethod
-    def from_gguf_fields(cls, meta: dict[str, Any]) -> "Tokenizer":
+    def from_gguf_fields(cls, meta: dict[str, Any]) -> Tokenizer:
         """The file's vocabulary (model/gguf_vocab.py), special ids and chat template."""
         backend, special = gguf_backend(meta)
         eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -77,7 +77,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: Path) -> "Tokenizer":
+    def from_hf_dir(cls, path: Path) -> Tokenizer:
         """tokenizer.json plus tokenizer_config.json / generation_config.json for ids and template."""
         backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
         tok_cfg = _read_json(path / "tokenizer_config.json")

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from torch import nn
 
-from inferlab.kernels.build import cpu_gemv_available
 from inferlab.errors import QuantizationError
+from inferlab.kernels.aten import int8_kernel_fits
+from inferlab.kernels.build import cpu_gemv_available
 from inferlab.quant.gguf_q4 import Q4_1_GROUP, read_q4_1_linears
 from inferlab.quant.int4 import Int4GroupLinear, check_group_size
 from inferlab.quant.int8 import Int8Embedding, Int8Linear
-from inferlab.kernels.aten import int8_kernel_fits
 
 MODES = ("int8", "int4")
 QUANTIZED = (Int8Linear, Int4GroupLinear, Int8Embedding)

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from inferlab.errors import QuantizationError
+from inferlab.kernels.aten import int4_layout, int4_mm, int4pack_scales_and_zeros, to_int4pack
 from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input
 from inferlab.kernels.layer import KernelWeights
-from inferlab.errors import QuantizationError
 from inferlab.model.transformer import RMSNorm
-from inferlab.kernels.aten import int4_layout, int4_mm, int4pack_scales_and_zeros, to_int4pack
 
 GROUP_SIZES = (32, 64, 128)
 

@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from inferlab.kernels.aten import int8_kernel_fits, int8_mm
 from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
-from inferlab.kernels.aten import int8_kernel_fits, int8_mm
 
 
 def quantize_rows_int8(weight: Tensor) -> tuple[Tensor, Tensor]:

@@ -13,8 +13,8 @@ import pandas as pd
 import yaml
 from omegaconf import DictConfig
 
-from inferlab.paths import conf_dir
 from inferlab.cli import hydra_app
+from inferlab.paths import conf_dir
 from inferlab.report.collect import collect
 from inferlab.report.plots import chart
 

@@ -5,8 +5,9 @@ thread) owns the model and the KV memory.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
@@ -15,9 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from inferlab.engine.engine import CONTEXT_MARGIN, InferenceEngine, StreamEvent
 from inferlab.errors import NotFoundError, ShuttingDownError
 from inferlab.server import openai, tokenize
-from inferlab.server.openapi import errors, install
 from inferlab.server.guards import BodySizeLimit, Gate, Guards, install_error_handlers
 from inferlab.server.metrics import RequestLog, ServerMetrics
+from inferlab.server.openapi import errors, install
 from inferlab.server.schemas import GenerateRequest, GenerateResponse, Usage
 from inferlab.server.settings import ServerSettings
 from inferlab.server.streams import Dispatcher, EventStreamResponse

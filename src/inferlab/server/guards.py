@@ -23,8 +23,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from inferlab.errors import (InferlabError, PayloadTooLargeError, RateLimitedError, ShuttingDownError,
-                             UnauthorizedError)
+from inferlab.errors import InferlabError, PayloadTooLargeError, RateLimitedError, ShuttingDownError, UnauthorizedError
 from inferlab.server.settings import ServerSettings
 from inferlab.server.validation import describe, param
 

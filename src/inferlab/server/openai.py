@@ -7,8 +7,9 @@ One HTTP request becomes `len(prompts) * n` engine requests; choice `p * n + j` 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from fastapi import APIRouter, Request
 
@@ -16,10 +17,22 @@ from inferlab.engine.engine import StreamEvent, Timings
 from inferlab.engine.logits import TokenLogprob
 from inferlab.errors import InvalidRequestError
 from inferlab.model.tokenizer import Tokenizer
-from inferlab.server.schemas import (MAX_CHOICES, AssistantMessage, ChatChoice, ChatCompletionRequest,
-                                     ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice,
-                                     CompletionRequest, CompletionResponse, LogprobsBlock, OpenAIRequest, TopLogprob,
-                                     Usage)
+from inferlab.server.schemas import (
+    MAX_CHOICES,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    LogprobsBlock,
+    OpenAIRequest,
+    TopLogprob,
+    Usage,
+)
 from inferlab.server.streams import Dispatcher, EventStreamResponse
 
 
@@ -110,7 +123,7 @@ class Echo:
     ids: list[int]
 
     @classmethod
-    def of(cls, prompt: str | list[int], ids: list[int], tokenizer: Tokenizer) -> "Echo":
+    def of(cls, prompt: str | list[int], ids: list[int], tokenizer: Tokenizer) -> Echo:
         return cls(prompt if isinstance(prompt, str) else tokenizer.decode(ids), ids)
 
     def prompt_entries(self, first: StreamEvent) -> list[TokenLogprob | None]:

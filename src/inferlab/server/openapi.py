@@ -3,7 +3,8 @@ when keys are configured, each route's statuses with their media types (errors a
 server-sent events). Routes name their error statuses with `errors(...)`; `install` finishes the schema."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi

@@ -42,7 +42,7 @@ class ServerSettings:
                 f"server.rate_limit {self.rate_limit!r} is not a limits string like '120/minute'") from e
 
     @classmethod
-    def from_config(cls, server: Any, **overrides: Any) -> "ServerSettings":
+    def from_config(cls, server: Any, **overrides: Any) -> ServerSettings:
         """From the composed `cfg.server` (a DictConfig or dict); keyword overrides win (tests)."""
         values = {f.name: server[f.name] for f in fields(cls)}
         values.update(overrides)

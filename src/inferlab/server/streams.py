@@ -14,8 +14,9 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -40,11 +41,11 @@ class Dispatcher:
 
     async def start(self, record: RequestRecord, sampling: dict[str, Any], max_new_tokens: int | None,
                     prompt: str | list[int] = "", chat: bool = False, messages: list[dict[str, str]] | None = None,
-                    tokens_field: str = "max_new_tokens") -> "Job":
+                    tokens_field: str = "max_new_tokens") -> Job:
         prompt_ids, params = self.prepare(record, sampling, max_new_tokens, prompt, chat, messages, tokens_field)
         return await Job.start(self.engine, prompt_ids, params, record, self.settings.timeout_s)
 
-    async def start_all(self, record: RequestRecord, prepared: list[tuple[list[int], SamplingParams]]) -> "Jobs":
+    async def start_all(self, record: RequestRecord, prepared: list[tuple[list[int], SamplingParams]]) -> Jobs:
         """Submit every prepared request at once (their prefills batch); if any is refused, close the rest."""
         timeout = self.settings.timeout_s
         started = await asyncio.gather(*(Job.start(self.engine, ids, params, record, timeout) for ids, params in prepared),
@@ -98,7 +99,7 @@ class Job:
 
     @classmethod
     async def start(cls, engine: InferenceEngine, prompt_ids: list[int], params: SamplingParams,
-                    record: RequestRecord, timeout_s: float) -> "Job":
+                    record: RequestRecord, timeout_s: float) -> Job:
         events = engine.submit(GenerationRequest(prompt_ids, params))
         try:
             first = await _next(events, record, timeout_s)
@@ -233,7 +234,7 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]  # an async generator
 
 
 async def _next(events: AsyncIterator[StreamEvent], record: RequestRecord, timeout_s: float) -> StreamEvent:
@@ -247,4 +248,4 @@ async def _next(events: AsyncIterator[StreamEvent], record: RequestRecord, timeo
 
 async def _close(events: AsyncIterator[StreamEvent]) -> None:
     with anyio.CancelScope(shield=True):
-        await events.aclose()
+        await events.aclose()  # type: ignore[attr-defined]  # an async generator

@@ -6,7 +6,8 @@ and its messages say how it validated; a user only needs the field (`messages[0]
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 SOURCES = {"body", "query", "path", "header", "cookie"}
 TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "none", "dict", "list", "tuple", "set"}

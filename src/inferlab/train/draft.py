@@ -15,8 +15,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from inferlab.model.loader import load_model
-from inferlab.paths import default_draft_dir
 from inferlab.model.transformer import Transformer
+from inferlab.paths import default_draft_dir
 from inferlab.train.checkpoint import count_parameters, save_checkpoint
 from inferlab.train.corpus import load_tokens
 from inferlab.train.data import random_windows

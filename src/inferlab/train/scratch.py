@@ -11,13 +11,14 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
 
 from inferlab.model.config import ModelConfig
 from inferlab.model.tokenizer import Tokenizer
 from inferlab.model.transformer import Transformer
-from inferlab.train.checkpoint import count_parameters, save_checkpoint
 from inferlab.paths import cache_dir, default_draft_dir
+from inferlab.train.checkpoint import count_parameters, save_checkpoint
 from inferlab.train.corpus import load_tokens, split_documents
 from inferlab.train.data import random_windows
 from inferlab.train.loop import LoopConfig, train

@@ -4,8 +4,8 @@ from __future__ import annotations
 import importlib
 import statistics
 import time
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
 
 import torch
 from omegaconf import DictConfig, OmegaConf

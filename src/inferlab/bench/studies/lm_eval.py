@@ -18,8 +18,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from inferlab.api import engine_from_config
-from inferlab.bench.lmeval import (NEXT_LINE, ROLLING, held_out_shakespeare, run_lm_eval, total_loglikelihood,
-                                   write_tasks)
+from inferlab.bench.lmeval import (
+    NEXT_LINE,
+    ROLLING,
+    held_out_shakespeare,
+    run_lm_eval,
+    total_loglikelihood,
+    write_tasks,
+)
 from inferlab.bench.perplexity import evaluate_perplexity
 from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.bench.targets import ServedTarget, open_target

@@ -11,8 +11,8 @@ from __future__ import annotations
 import ctypes
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from omegaconf import DictConfig, open_dict
@@ -22,10 +22,9 @@ from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.bench.studies.common import Runner, decode_rate, inferlab_runner, prompt_ids, read_bandwidth_gb_s, require
 from inferlab.engine.engine import InferenceEngine
-from inferlab.kernels.build import use_isa
 from inferlab.kernels.isa import supported_isas
-from inferlab.quant.apply import weight_bytes
 from inferlab.paths import cache_dir
+from inferlab.quant.apply import weight_bytes
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA_CPP_FTYPES = {"fp32": "LLAMA_FTYPE_ALL_F32", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "fp16": "LLAMA_FTYPE_MOSTLY_F16",
@@ -84,7 +83,7 @@ def inferlab_engines(cfg: DictConfig, engine: InferenceEngine) -> dict[str | Non
     chosen = engine.fused.isa if engine.fused is not None else None
     if chosen is None:
         return {None: engine}
-    engines = {chosen: engine}
+    engines: dict[str | None, InferenceEngine] = {chosen: engine}
     for isa in [i for i in cfg.study.isas if i in supported_isas() and i != chosen]:
         isa_cfg = cfg.copy()
         with open_dict(isa_cfg):
@@ -100,7 +99,7 @@ def transformers_runner(gguf: Path, precision: DictConfig, device: torch.device)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=TORCH_DTYPES[precision.dtype]).to(device).eval()
 
-    class Clock(transformers.generation.streamers.BaseStreamer):
+    class Clock(transformers.generation.streamers.BaseStreamer):  # type: ignore[name-defined]  # imported at run time
         def __init__(self) -> None:
             self.times: list[float] = []
             self.prompt_seen = False

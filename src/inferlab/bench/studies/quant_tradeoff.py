@@ -8,9 +8,9 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from inferlab.api import engine_from_config
-from inferlab.bench.studies import Rows, register
 from inferlab.bench.perplexity import evaluate_perplexity
 from inferlab.bench.progress import progress
+from inferlab.bench.studies import Rows, register
 from inferlab.bench.studies.common import median_of, prompt_ids
 from inferlab.engine.engine import InferenceEngine
 from inferlab.quant.apply import weight_bytes

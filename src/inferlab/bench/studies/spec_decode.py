@@ -16,8 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from inferlab.api import CONF_DIR, engine_from_config
-from inferlab.bench.prompts import corpus_ids
 from inferlab.bench.progress import progress
+from inferlab.bench.prompts import corpus_ids
 from inferlab.bench.studies import Rows, register
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.speculative import Speculation, build_speculation
@@ -79,6 +79,7 @@ def speculation_for(engine: InferenceEngine, cfg: DictConfig, name: str) -> Spec
     spec = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "spec" / f"{name}.yaml"), resolve=True)
     c = engine.config
     speculation = build_speculation(spec, cfg.model.name, engine.model, c.dtype, c.device, engine.loaded.gguf_path)
+    assert speculation is not None, f"spec={name} builds no drafter"
     select_kernels(nn.ModuleList(speculation.drafter.models()), c.device, c.dtype, c.kernels)
     speculation.drafter.build_fused(c.device, c.dtype, c.kernels)
     return speculation
