@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random-init models and a byte-level tokenizer built in milliseconds."""
+
 from __future__ import annotations
 
 import threading
@@ -72,8 +73,17 @@ def tiny_tokenizer() -> Tokenizer:
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    values = dict(vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=256,
-                  rope_theta=10000.0, norm_eps=1e-5)
+    values = dict(
+        vocab_size=257,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=128,
+        max_seq_len=256,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+    )
     values.update(overrides)
     return ModelConfig(**values)
 
@@ -88,9 +98,18 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
     return model.eval()
 
 
-def tiny_engine(tokenizer: Tokenizer, cache_mode: str = "contiguous", slots: int = 2, seed: int = 0,
-                max_new_tokens: int = 16, dtype: torch.dtype = torch.float32, kernels: str | None = None,
-                quant: str | None = None, spec: dict | None = None, **overrides) -> InferenceEngine:
+def tiny_engine(
+    tokenizer: Tokenizer,
+    cache_mode: str = "contiguous",
+    slots: int = 2,
+    seed: int = 0,
+    max_new_tokens: int = 16,
+    dtype: torch.dtype = torch.float32,
+    kernels: str | None = None,
+    quant: str | None = None,
+    spec: dict | None = None,
+    **overrides,
+) -> InferenceEngine:
     """`kernels` given: the model's layers are swapped for that choice (kernels/select.py) first, as
     load_engine does, after quantizing them with `quant` (int4: groups of 32) and building the drafter of
     `spec` (a resolved conf/spec group; its draft model's layers are swapped too)."""
@@ -102,11 +121,19 @@ def tiny_engine(tokenizer: Tokenizer, cache_mode: str = "contiguous", slots: int
         drafts = speculation.drafter.models() if speculation else []
         select_kernels(nn.ModuleList([model, *drafts]), torch.device("cpu"), dtype, kernels)
     loaded = LoadedModel(model, tokenizer, model.config, "tiny random-init")
-    config = EngineConfig(device=torch.device("cpu"), dtype=dtype, cache_mode=cache_mode,
-                          max_seq_len=model.config.max_seq_len, slots=slots,
-                          defaults=SamplingParams(max_new_tokens=max_new_tokens), block_size=16, kv_blocks=0,
-                          prefix_cache=False, scheduler=SchedulerConfig(max_running=16, max_waiting=64,
-                                                                        prefill_chunk=256), kernels=kernels or "fast")
+    config = EngineConfig(
+        device=torch.device("cpu"),
+        dtype=dtype,
+        cache_mode=cache_mode,
+        max_seq_len=model.config.max_seq_len,
+        slots=slots,
+        defaults=SamplingParams(max_new_tokens=max_new_tokens),
+        block_size=16,
+        kv_blocks=0,
+        prefix_cache=False,
+        scheduler=SchedulerConfig(max_running=16, max_waiting=64, prefill_chunk=256),
+        kernels=kernels or "fast",
+    )
     return InferenceEngine(loaded, config, speculation)
 
 

@@ -1,5 +1,6 @@
 """Write a transformers model as a GGUF file the way llama.cpp's converter lays it out (names, fusions,
 q/k row interleaving for llama, Gemma's norms as 1 + w, rope factors as tensors), with gguf's GGUFWriter."""
+
 from __future__ import annotations
 
 import math
@@ -11,14 +12,31 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
-NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
-         "self_attn.k_norm": "attn_k_norm"}
-GEMMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-           "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
-           "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+NORMS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+GEMMA_NORMS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+LINEARS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -49,7 +67,7 @@ def write_gguf(model, path: Path, vocab: dict) -> Path:
     if getattr(c, "sliding_window", None):
         writer.add_sliding_window(c.sliding_window)
     if gemma:
-        writer.add_float32(f"{arch}.attention.scale", c.query_pre_attn_scalar ** -0.5)
+        writer.add_float32(f"{arch}.attention.scale", c.query_pre_attn_scalar**-0.5)
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(c, key, None):
@@ -66,7 +84,9 @@ def write_gguf(model, path: Path, vocab: dict) -> Path:
         original = rope["original_max_position_embeddings"]
         factor = c.max_position_embeddings / original
         writer.add_rope_scaling_orig_ctx_len(original)
-        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        )
         tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
         tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
 
@@ -118,5 +138,10 @@ def byte_level_vocab(backend) -> dict:
     size = backend.get_vocab_size(with_added_tokens=True)
     tokens = [backend.id_to_token(i) for i in range(size)]
     special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
-    return {"model": "gpt2", "tokens": tokens, "token_type": [3 if i in special else 1 for i in range(size)],
-            "merges": [], "eos": min(special) if special else None}
+    return {
+        "model": "gpt2",
+        "tokens": tokens,
+        "token_type": [3 if i in special else 1 for i in range(size)],
+        "merges": [],
+        "eos": min(special) if special else None,
+    }

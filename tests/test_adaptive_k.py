@@ -1,4 +1,5 @@
 """Adaptive K: the draft length that maximizes expected tokens per unit of cost, and the fallback to plain decoding."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,7 @@ from inferlab.engine.adaptive_k import BACKOFF, AdaptiveK, best_k
 
 
 def brute_force_k(acceptance: float, draft_cost: float, max_k: int) -> int:
-    rates = [sum(acceptance ** i for i in range(k + 1)) / (1 + k * draft_cost) for k in range(max_k + 1)]
+    rates = [sum(acceptance**i for i in range(k + 1)) / (1 + k * draft_cost) for k in range(max_k + 1)]
     return max(range(max_k + 1), key=lambda k: (round(rates[k], 12), -k))
 
 
@@ -47,7 +48,7 @@ def test_failed_probe_backs_off_again():
 def test_observe_counts_accepted_and_one_rejection():
     policy = AdaptiveK(max_k=4, draft_cost=0.1, acceptance=0.5)
     policy.observe(4, 4)  # four successes, nothing rejected
-    assert policy.acceptance == pytest.approx(1 - 0.5 * 0.9 ** 4)
+    assert policy.acceptance == pytest.approx(1 - 0.5 * 0.9**4)
     policy.observe(4, 1)  # one success, one failure; the two after the rejection were never judged
-    high = 1 - 0.5 * 0.9 ** 5
+    high = 1 - 0.5 * 0.9**5
     assert policy.acceptance == pytest.approx(high * 0.9)

@@ -1,4 +1,5 @@
 """load_engine's contract: Hydra group names and dotted overrides, chat, streaming events, random presets."""
+
 import asyncio
 
 import pytest
@@ -11,8 +12,13 @@ from inferlab.errors import InvalidRequestError
 
 @pytest.fixture(scope="module")
 def engine():
-    return load_engine(model="tiny-random", precision="fp32", cache="contiguous", device="cpu",
-                       **{"cache.max_seq_len": 128, "cache.slots": 2, "max_new_tokens": 6})
+    return load_engine(
+        model="tiny-random",
+        precision="fp32",
+        cache="contiguous",
+        device="cpu",
+        **{"cache.max_seq_len": 128, "cache.slots": 2, "max_new_tokens": 6},
+    )
 
 
 def test_groups_and_dotted_overrides_reach_the_engine(engine):

@@ -1,4 +1,5 @@
 """Batched generation of prompts of different lengths against one request at a time."""
+
 import pytest
 import torch
 from conftest import tiny_engine
@@ -41,8 +42,9 @@ def test_left_padded_logits_match_single_requests_at_every_step(tiny_tokenizer):
 
 def test_batches_larger_than_the_slots_run_in_waves(tiny_tokenizer):
     engine = tiny_engine(tiny_tokenizer, "contiguous", slots=2)
-    assert [c.token_ids for c in engine.generate_batch(PROMPTS, max_new_tokens=8)] == \
-        single_request_tokens(tiny_tokenizer, 8)
+    assert [c.token_ids for c in engine.generate_batch(PROMPTS, max_new_tokens=8)] == single_request_tokens(
+        tiny_tokenizer, 8
+    )
     assert engine.pool.used == 0
 
 

@@ -1,5 +1,6 @@
 """The harness's config tree: every group option and every study composes; every sweep is a Hydra config
 whose jobs Hydra's own sweeper launches; swept values this checkout lacks become "unavailable" results."""
+
 from __future__ import annotations
 
 import itertools
@@ -54,8 +55,14 @@ def launched(*overrides: str) -> list[dict]:
 
     def record(cfg: DictConfig) -> None:
         hydra = HydraConfig.get()
-        jobs.append({"study": cfg.study.name, "choices": dict(hydra.runtime.choices),
-                     "overrides": list(hydra.overrides.task), "config": cfg})
+        jobs.append(
+            {
+                "study": cfg.study.name,
+                "choices": dict(hydra.runtime.choices),
+                "overrides": list(hydra.overrides.task),
+                "config": cfg,
+            }
+        )
 
     GlobalHydra.instance().clear()
     try:
@@ -94,20 +101,28 @@ def test_user_overrides_win_over_the_sweep(tmp_path):
 
 def test_command_line_sweeps_extend_the_sweep(tmp_path):
     jobs = launched("sweep=kv_speedup", "precision=fp32,bf16", f"results_root={tmp_path}")
-    assert sorted((j["choices"]["cache"], j["choices"]["precision"]) for j in jobs) == \
-        [("contiguous", "bf16"), ("contiguous", "fp32"), ("none", "bf16"), ("none", "fp32")]
+    assert sorted((j["choices"]["cache"], j["choices"]["precision"]) for j in jobs) == [
+        ("contiguous", "bf16"),
+        ("contiguous", "fp32"),
+        ("none", "bf16"),
+        ("none", "fp32"),
+    ]
 
 
 def test_missing_sweep_values_are_recorded_not_fatal(tmp_path, monkeypatch):
     sweeps = tmp_path / "sweeps"
     sweeps.mkdir()
-    (sweeps / "s.yaml").write_text("# @package _global_\ndefaults:\n  - override /study: kv_memory\n"
-                                   "hydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n"
-                                   "      precision: fp32,int3\n      cache: contiguous,paged,ring\n")
+    (sweeps / "s.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /study: kv_memory\n"
+        "hydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n"
+        "      precision: fp32,int3\n      cache: contiguous,paged,ring\n"
+    )
     monkeypatch.setenv("INFERLAB_SWEEPS", str(sweeps))
     jobs = launched("sweep=s", f"results_root={tmp_path}")
-    assert sorted((j["choices"]["precision"], j["choices"]["cache"]) for j in jobs) == \
-        [("fp32", "contiguous"), ("fp32", "paged")]
+    assert sorted((j["choices"]["precision"], j["choices"]["cache"]) for j in jobs) == [
+        ("fp32", "contiguous"),
+        ("fp32", "paged"),
+    ]
     records = [json.loads(p.read_text()) for p in sorted(tmp_path.rglob("unavailable/*/result.json"))]
     assert len(records) == 4 and all(r["status"] == "unavailable" and r["study"] == "kv_memory" for r in records)
     assert all(r["sweep"] == "s" and r["env"]["cpu_model"] for r in records)

@@ -1,6 +1,7 @@
 """End to end: a size=smoke multirun over two values of two groups writes one result.json per job, and
 inferlab-report turns them into the CSV and the report; a job that cannot run records why; the peers,
 profile and threads studies on their own."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,9 @@ BIN = Path(sys.executable).parent
 
 def bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    return subprocess.run([str(BIN / "inferlab-bench"), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [str(BIN / "inferlab-bench"), *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def one_ok_result(tmp_path: Path, *args: str) -> dict:
@@ -43,8 +46,12 @@ def test_smoke_multirun_then_report(tmp_path: Path):
     assert run.returncode == 0, run.stderr[-2000:]
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.rglob("result.json"))]
     assert len(results) == 4
-    assert {(r["choices"]["cache"], r["choices"]["precision"]) for r in results} == \
-        {("none", "fp32"), ("none", "bf16"), ("contiguous", "fp32"), ("contiguous", "bf16")}
+    assert {(r["choices"]["cache"], r["choices"]["precision"]) for r in results} == {
+        ("none", "fp32"),
+        ("none", "bf16"),
+        ("contiguous", "fp32"),
+        ("contiguous", "bf16"),
+    }
     for r in results:
         assert r["status"] == "ok", r["error"]
         assert r["env"]["torch_version"] and r["env"]["cpu_model"] and r["env"]["timestamp"]
@@ -86,8 +93,9 @@ def test_server_target_starts_drives_and_stops_a_real_server(tmp_path: Path):
 
 @pytest.mark.slow
 def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path: Path):
-    result = one_ok_result(tmp_path, "study=peers", "size=smoke", "model=smollm2-135m", "precision=int8",
-                           "measure.repeats=2")
+    result = one_ok_result(
+        tmp_path, "study=peers", "size=smoke", "model=smollm2-135m", "precision=int8", "measure.repeats=2"
+    )
     inferlab = [row for row in result["rows"] if row["engine"] == "inferlab"]
     expected = supported_isas()[::-1] if cpu_gemv_available() else ["cpu"]  # the job's own (auto: the widest) first
     assert [row["isa"] for row in inferlab] == expected
@@ -148,8 +156,9 @@ def test_spec_decode_runs_every_drafter_beside_spec_off_in_one_job(tmp_path: Pat
     (draft,) = [row for row in rows if row["spec"] == "draft"]
     assert draft["decode_tok_s"] is None and "make draft" in draft["note"]
     measured = [row for row in rows if row["spec"] != "draft"]
-    assert {(r["spec"], r["temperature"], r["prompts"]) for r in measured} == \
-        {(s, t, p) for s in ("off", "ngram", "self") for t in (0.0, 0.8) for p in ("chat", "extractive")}
+    assert {(r["spec"], r["temperature"], r["prompts"]) for r in measured} == {
+        (s, t, p) for s in ("off", "ngram", "self") for t in (0.0, 0.8) for p in ("chat", "extractive")
+    }
     for row in measured:
         assert row["decode_tok_s"] > 0 and row["speedup"] > 0
         assert row["speedup"] == 1.0 if row["spec"] == "off" else row["tokens_per_target_call"] >= 1.0
@@ -158,8 +167,9 @@ def test_spec_decode_runs_every_drafter_beside_spec_off_in_one_job(tmp_path: Pat
 
 @pytest.mark.slow
 def test_serving_drives_every_server_over_every_level_in_one_job(tmp_path: Path):
-    result = one_ok_result(tmp_path, "study=serving", "size=smoke", "model=smollm2-135m", "study.levels=[1,4]",
-                           "load.num_requests=2")
+    result = one_ok_result(
+        tmp_path, "study=serving", "size=smoke", "model=smollm2-135m", "study.levels=[1,4]", "load.num_requests=2"
+    )
     rows = result["rows"]
     vllm = next(row for row in rows if row["server"] == "vllm")
     assert vllm["output_throughput"] is None and "study.vllm_python" in vllm["note"]  # no venv given

@@ -1,4 +1,5 @@
 """inferlab-generate end to end: a real answer from the default model, and one-line errors on bad input."""
+
 import subprocess
 import sys
 
@@ -8,8 +9,9 @@ pytestmark = pytest.mark.slow
 
 
 def generate(*overrides: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "inferlab.generate", *overrides], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "inferlab.generate", *overrides], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_default_model_answers_paris():
@@ -19,14 +21,17 @@ def test_default_model_answers_paris():
     assert "Paris" not in result.stderr and "TTFT" in result.stderr and "tok/s" in result.stderr  # timings on stderr
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["prompt=hi", "model=no-such-model"], "Could not find 'model/no-such-model'"),
-    (["prompt=hi", "model=local"], "Missing mandatory value: model.path"),
-    (["prompt=hi", "model=local", "model.path=/nonexistent/model.gguf"], "GGUF file not found"),
-    (["prompt=hi", "model=local", "model.path=README.md"], "is not a GGUF file"),
-    (["prompt=", "max_new_tokens=2"], "prompt must not be empty"),
-    (["prompt=" + "word " * 200, "chat=false", "cache.max_seq_len=64"], "the context allows at most 48"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["prompt=hi", "model=no-such-model"], "Could not find 'model/no-such-model'"),
+        (["prompt=hi", "model=local"], "Missing mandatory value: model.path"),
+        (["prompt=hi", "model=local", "model.path=/nonexistent/model.gguf"], "GGUF file not found"),
+        (["prompt=hi", "model=local", "model.path=README.md"], "is not a GGUF file"),
+        (["prompt=", "max_new_tokens=2"], "prompt must not be empty"),
+        (["prompt=" + "word " * 200, "chat=false", "cache.max_seq_len=64"], "the context allows at most 48"),
+    ],
+)
 def test_bad_input_is_one_clear_line(overrides, message):
     result = generate(*overrides)
     assert result.returncode != 0

@@ -1,4 +1,5 @@
 """Quantized layers keep a dequantized copy for products of many rows: the same values as the reference."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """One request's failure stays its own: a fault injected inside the engine step (the fault hook), or a
 sampling value at the edge of what the schema accepts, beside a greedy stream. Reference: the same stream
 run alone, whose tokens must come out identical; the KV pool is empty afterwards."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,15 +36,18 @@ def run_together(engine, requests: list[GenerationRequest]) -> list[list[int] | 
     async def main():
         streams = [engine.submit(r) for r in requests]  # all queued before the loop's first step
         return await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), timeout=120)
+
     return asyncio.run(main())
 
 
 def fault_for(prompt_ids: list[int], stage: str, after_tokens: int = 3, error: BaseException = RuntimeError("fault")):
     """A hook that raises `error` at `stage` whenever the request with `prompt_ids` is in the work,
     once it has generated `after_tokens` tokens (so it fails mid-stream, batched with the others)."""
+
     def hook(at: str, requests) -> None:
         if at == stage and any(r.prompt_ids == prompt_ids and len(r.output_ids) >= after_tokens for r in requests):
             raise error
+
     return hook
 
 
@@ -63,9 +67,14 @@ def engine(request, tiny_tokenizer, one_thread):
 def test_a_request_failing_inside_the_step_fails_alone(engine, stage):
     (alone,) = run_together(engine, [request(engine, GREEDY)])
     engine.fault_hook = fault_for(engine.encode_prompt(FAILING), stage)
-    greedy, failed, edge = run_together(engine, [
-        request(engine, GREEDY), request(engine, FAILING, temperature=0.8, seed=1),
-        request(engine, EDGE, temperature=1.0, top_p=1e-50, seed=2)])
+    greedy, failed, edge = run_together(
+        engine,
+        [
+            request(engine, GREEDY),
+            request(engine, FAILING, temperature=0.8, seed=1),
+            request(engine, EDGE, temperature=1.0, top_p=1e-50, seed=2),
+        ],
+    )
     assert greedy == alone and len(alone) == 24
     assert isinstance(failed, GenerationError) and stage in str(failed) and "\n" not in str(failed)
     # top_p=1e-50 keeps only the top token: the greedy choice, never nan

@@ -1,4 +1,5 @@
 """The whole decode step as one C++ call (kernels/fused_decode.py) against the Python model it stands in for."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,7 +102,9 @@ def test_a_few_tokens_of_one_sequence_run_as_the_rows_of_one_step(isa, tiny_toke
     for n in (6, 12, 4, 1, GEMV_MAX_ROWS, 3):  # 12: more rows than one step takes
         ids = [(13 * n + 5 * i) % 250 for i in range(n)]
         expected = reference.forward(ids)
-        engine.model.forward = lambda tokens, *a, **kw: python_forwards.append(tokens.shape[1]) or forward(tokens, *a, **kw)
+        engine.model.forward = lambda tokens, *a, **kw: (
+            python_forwards.append(tokens.shape[1]) or forward(tokens, *a, **kw)
+        )
         got = fast.forward(ids)
         engine.model.forward = forward
         assert got.shape == expected.shape == (n, engine.model.config.vocab_size)
@@ -145,7 +148,9 @@ def test_the_plan_refuses_positions_outside_the_cache(isa, tiny_tokenizer):
         engine.fused(tokens, cache.k, cache.v, torch.tensor([[cache.slots]]), torch.tensor([0]))
     too_many = GEMV_MAX_ROWS + 1
     with pytest.raises(RuntimeError, match=f"B <= {GEMV_MAX_ROWS}"):
-        engine.fused(torch.arange(too_many), cache.k, cache.v, table.expand(too_many, 1), torch.zeros(too_many, dtype=torch.long))
+        engine.fused(
+            torch.arange(too_many), cache.k, cache.v, table.expand(too_many, 1), torch.zeros(too_many, dtype=torch.long)
+        )
 
 
 def test_the_bf16_step_stays_within_bf16_storage_of_fp32(isa, tiny_tokenizer):
@@ -161,14 +166,19 @@ def test_the_bf16_step_stays_within_bf16_storage_of_fp32(isa, tiny_tokenizer):
     prompt = [5, 60, 7, 200, 31, 9]
     tokens = reference.generate(prompt, max_new_tokens=40, temperature=0).token_ids
     errors = {}
-    for name, engine in [("reference", reference),
-                         ("fused", tiny_engine(tiny_tokenizer, dtype=torch.bfloat16, kernels="fast", **kwargs)),
-                         ("portable", tiny_engine(tiny_tokenizer, dtype=torch.bfloat16, kernels="portable", **kwargs))]:
+    for name, engine in [
+        ("reference", reference),
+        ("fused", tiny_engine(tiny_tokenizer, dtype=torch.bfloat16, kernels="fast", **kwargs)),
+        ("portable", tiny_engine(tiny_tokenizer, dtype=torch.bfloat16, kernels="portable", **kwargs)),
+    ]:
         logits, seq = engine.prefill(prompt, reserve_tokens=len(tokens))
         steps = [logits.float()] + [engine.decode_step(t, seq).float() for t in tokens]
         seq.release()
-        errors[name] = steps if name == "reference" else torch.stack(
-            [1 - F.cosine_similarity(e, g, dim=0) for e, g in zip(errors["reference"], steps)])
+        errors[name] = (
+            steps
+            if name == "reference"
+            else torch.stack([1 - F.cosine_similarity(e, g, dim=0) for e, g in zip(errors["reference"], steps)])
+        )
     # measured: fused mean 1 - cosine 8.3e-6 (with the model's bf16 rope tables: 1.13e-5), max 2.4e-5;
     # portable mean 7.4e-5, max 2.1e-4
     assert errors["fused"].mean() <= 1e-5 and errors["fused"].max() <= 5e-5

@@ -1,6 +1,7 @@
 """GGUF vocabularies (SentencePiece 'llama' and byte-level 'gpt2') trained here with `tokenizers`, written with
 GGUFWriter, read by inferlab: the same ids as the trained `tokenizers` model and as transformers' own GGUF
 tokenizer, and text back unchanged, on a unicode corpus."""
+
 import json
 
 import gguf
@@ -13,16 +14,37 @@ from transformers import AutoTokenizer
 from inferlab.model.gguf_loader import read_gguf_fields
 from inferlab.model.tokenizer import Tokenizer
 
-TEXTS = ["Hello, world!", "tabs\tand\nnewlines\n\n\n", "naïve café — déjà vu", "日本語のテキスト", "emoji 🤖🚀 mix",
-         "numbers 1234567890 3.14159", "a    b     c", "def f(x):\n    return x ** 2\n", "trailing  ",
-         "Привет, мир! Ελληνικά. עברית. العربية", "Zalgo: Z̷̢a̶l̸g̵o", "한국어 텍스트와 ไทย", "x", "ümlaut\u00a0nbsp",
-         "ﬁligature 𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "<s> not special in text </s>", "mixed\r\nline\rendings"]
+TEXTS = [
+    "Hello, world!",
+    "tabs\tand\nnewlines\n\n\n",
+    "naïve café — déjà vu",
+    "日本語のテキスト",
+    "emoji 🤖🚀 mix",
+    "numbers 1234567890 3.14159",
+    "a    b     c",
+    "def f(x):\n    return x ** 2\n",
+    "trailing  ",
+    "Привет, мир! Ελληνικά. עברית. العربية",
+    "Zalgo: Z̷̢a̶l̸g̵o",
+    "한국어 텍스트와 ไทย",
+    "x",
+    "ümlaut\u00a0nbsp",
+    "ﬁligature 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "<s> not special in text </s>",
+    "mixed\r\nline\rendings",
+]
 CORPUS = [line for text in TEXTS for line in text.splitlines()] + [
-    "the quick brown fox jumps over the lazy dog", "Tokenizers merge frequent pairs of symbols into new symbols.",
-    "Les élèves étudient à l'école; die Straße ist naß.", "数据 处理 与 模型 训练", "🙂🙃😉 emoji everywhere"] * 5
+    "the quick brown fox jumps over the lazy dog",
+    "Tokenizers merge frequent pairs of symbols into new symbols.",
+    "Les élèves étudient à l'école; die Straße ist naß.",
+    "数据 处理 与 模型 训练",
+    "🙂🙃😉 emoji everywhere",
+] * 5
 SPECIAL = ["<unk>", "<s>", "</s>"]
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
-            "{% if add_generation_prompt %}[assistant]{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüß dich 👋"}]
 BYTES = [f"<0x{i:02X}>" for i in range(256)]
 
@@ -41,8 +63,10 @@ def sentencepiece_bpe() -> HFTokenizer:
     """A SentencePiece-style BPE: '▁' for spaces, a prefix space on the first word, byte fallback."""
     backend = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
-    backend.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=700, special_tokens=SPECIAL + BYTES,
-                                                            limit_alphabet=150, show_progress=False))
+    backend.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(vocab_size=700, special_tokens=SPECIAL + BYTES, limit_alphabet=150, show_progress=False),
+    )
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
     return backend
 
@@ -51,9 +75,15 @@ def byte_level_bpe() -> HFTokenizer:
     backend = HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=700, special_tokens=["<|endoftext|>"],
-                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                            show_progress=False))
+    backend.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=700,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     return backend
 
 
@@ -61,11 +91,27 @@ def gguf_fields(kind: str, backend: HFTokenizer) -> dict:
     tokens = [backend.id_to_token(i) for i in range(backend.get_vocab_size())]
     if kind == "llama":  # scores in merge order (a trained BPE numbers its tokens so), as SentencePiece BPE keeps them
         types = [2 if t == "<unk>" else 3 if t in SPECIAL else 6 if t in BYTES else 1 for t in tokens]
-        return dict(model="llama", tokens=tokens, token_type=types, scores=[-float(i) for i in range(len(tokens))],
-                    unk=0, bos=1, eos=2, add_bos=False, chat_template=TEMPLATE)
+        return dict(
+            model="llama",
+            tokens=tokens,
+            token_type=types,
+            scores=[-float(i) for i in range(len(tokens))],
+            unk=0,
+            bos=1,
+            eos=2,
+            add_bos=False,
+            chat_template=TEMPLATE,
+        )
     merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(backend.to_str())["model"]["merges"]]
-    return dict(model="gpt2", tokens=tokens, token_type=[3 if t == "<|endoftext|>" else 1 for t in tokens],
-                merges=merges, eos=0, add_bos=False, chat_template=TEMPLATE)
+    return dict(
+        model="gpt2",
+        tokens=tokens,
+        token_type=[3 if t == "<|endoftext|>" else 1 for t in tokens],
+        merges=merges,
+        eos=0,
+        add_bos=False,
+        chat_template=TEMPLATE,
+    )
 
 
 # (tokenizer.ggml.model, general.architecture): Gemma and Phi-3 spell spaces their own way (model/gguf_vocab.py)

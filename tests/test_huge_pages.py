@@ -1,4 +1,5 @@
 """Weights moved onto huge pages: the same values, one 2 MiB-aligned arena, ties and parameters kept."""
+
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,6 @@
 """Imports point downhill: model <- kernels <- quant <- engine <- server, each layer importing only
 those below it, read off every module's import statements; and importing a layer builds nothing."""
+
 from __future__ import annotations
 
 import ast
@@ -65,9 +66,13 @@ def test_the_walk_sees_every_module_and_their_imports():
 @pytest.mark.parametrize("layer", sorted(BELOW))
 def test_each_layer_imports_only_the_layers_below_it(layer):
     allowed = {layer} | BELOW[layer] | LEAVES
-    uphill = {f"{module} imports {target}" for module, targets in import_graph().items()
-              if layer_of(module) == layer for target in targets
-              if layer_of(target) not in allowed}
+    uphill = {
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        if layer_of(module) == layer
+        for target in targets
+        if layer_of(target) not in allowed
+    }
     assert not uphill, sorted(uphill)
 
 
@@ -79,12 +84,15 @@ def test_leaves_import_no_inferlab_module():
 def test_importing_quant_builds_no_kernels_and_loads_no_engine(tmp_path):
     """A fresh interpreter with an empty cache: `import inferlab.quant` compiles nothing, loads no C++
     library and does not import the engine; the kernels build on the first call that needs them."""
-    probe = ("import json, sys, torch, inferlab.quant; "
-             "print(json.dumps({'modules': sorted(m for m in sys.modules if m.startswith('inferlab')), "
-             "'libraries': sorted(torch.ops.loaded_libraries)}))")
+    probe = (
+        "import json, sys, torch, inferlab.quant; "
+        "print(json.dumps({'modules': sorted(m for m in sys.modules if m.startswith('inferlab')), "
+        "'libraries': sorted(torch.ops.loaded_libraries)}))"
+    )
     env = {**os.environ, "INFERLAB_CACHE": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert "inferlab.quant.int4" in seen["modules"] and "inferlab.kernels.gemv" in seen["modules"]

@@ -1,5 +1,6 @@
 """Which build of the CPU kernels a process runs (kernels/isa.py, kernels/build.py): chosen from the CPU's
 flags, overridable by device.isa, refused in one line where the CPU lacks it, each build cached apart."""
+
 import logging
 
 import pytest
@@ -30,8 +31,11 @@ def test_auto_takes_the_widest_set_the_cpu_runs(monkeypatch):
 
 def test_a_set_the_cpu_lacks_or_no_such_set_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(isa_module, "cpu_flags", lambda: AVX2_ONLY)
-    with pytest.raises(InvalidRequestError, match=r"device.isa=avx512: this CPU lacks avx512_bf16, avx512_vnni, "
-                                                  r"avx512bw, avx512f, avx512vl \(it runs: avx2\)"):
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"device.isa=avx512: this CPU lacks avx512_bf16, avx512_vnni, "
+        r"avx512bw, avx512f, avx512vl \(it runs: avx2\)",
+    ):
         resolve_isa("avx512")
     with pytest.raises(InvalidRequestError, match=r"device.isa='avx1024'; use one of \['auto', 'avx2', 'avx512'\]"):
         resolve_isa("avx1024")

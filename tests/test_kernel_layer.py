@@ -1,4 +1,5 @@
 """The KernelLayer protocol (kernels/layer.py): what the plain and the quantized linears hand the kernels."""
+
 import pytest
 import torch
 from torch import nn

@@ -1,5 +1,6 @@
 """The CPU decode kernels (kernels/csrc/), each build this CPU runs (the `isa` fixture), against the portable
 reference they replace."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,7 +59,7 @@ def test_gemv_equals_reference(isa, dtype, weight_kind, rows, extras):
         scales, mins = torch.rand(n, k // group_size) / 50, -torch.rand(n, k // group_size) / 7
         weight, dense = pack_nibbles(codes), dequantize_groups_int4(codes, scales, mins)
     else:
-        weight, scales = torch.randn(n, k).to(dtype) / k ** 0.5, None
+        weight, scales = torch.randn(n, k).to(dtype) / k**0.5, None
         dense = weight
     bias = torch.randn(n).to(dtype) if "bias" in extras else None
     norm = None
@@ -98,7 +99,9 @@ def test_decode_attention_writes_the_step_and_equals_sdpa(isa, dtype, block_size
     torch.manual_seed(block_size)
     (n_heads, n_kv_heads), head_dim, lengths = heads, 64, [1, 8, 77, 600]
     per_sequence = -(-640 // block_size)
-    k_pool, v_pool = (torch.randn(1 + 4 * per_sequence, n_kv_heads, block_size, head_dim).to(dtype) * 3 for _ in range(2))
+    k_pool, v_pool = (
+        torch.randn(1 + 4 * per_sequence, n_kv_heads, block_size, head_dim).to(dtype) * 3 for _ in range(2)
+    )
     tables = torch.randperm(4 * per_sequence).add(1).view(4, per_sequence)  # block 0 belongs to nobody
     q = torch.randn(4, n_heads, 1, head_dim).to(dtype)
     k, v = (torch.randn(4, n_kv_heads, 1, head_dim).to(dtype) for _ in range(2))
@@ -108,12 +111,14 @@ def test_decode_attention_writes_the_step_and_equals_sdpa(isa, dtype, block_size
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.equal(k_pool[0], untouched)
     for b, length in enumerate(lengths):
-        keys, values = (pool[tables[b]].transpose(0, 1).reshape(n_kv_heads, -1, head_dim)[:, :length]
-                        for pool in (k_pool, v_pool))  # (H_kv, length, D), in position order
+        keys, values = (
+            pool[tables[b]].transpose(0, 1).reshape(n_kv_heads, -1, head_dim)[:, :length] for pool in (k_pool, v_pool)
+        )  # (H_kv, length, D), in position order
         assert torch.equal(keys[:, -1], k[b, :, 0]) and torch.equal(values[:, -1], v[b, :, 0])
-        expected = F.scaled_dot_product_attention(q[b:b + 1].double(), keys[None].double(), values[None].double(),
-                                                  enable_gqa=True)
-        assert (out[b:b + 1].double() - expected).abs().max() <= TOLERANCE[dtype] * 3
+        expected = F.scaled_dot_product_attention(
+            q[b : b + 1].double(), keys[None].double(), values[None].double(), enable_gqa=True
+        )
+        assert (out[b : b + 1].double() - expected).abs().max() <= TOLERANCE[dtype] * 3
 
 
 @needs_gemv

@@ -1,6 +1,7 @@
 """The CPU decode kernels and the fused decode step on the real default model, on each kernel build this CPU
 runs (the `isa` fixture): the same steps as the portable path, per precision; at bf16, at least as close to
 fp32 as the portable path is."""
+
 import functools
 
 import pytest
@@ -10,8 +11,10 @@ import torch.nn.functional as F
 from inferlab.api import load_engine
 from inferlab.kernels.build import cpu_gemv_available
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here"),
+]
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 STEPS = 24
@@ -60,8 +63,9 @@ def test_fast_kernels_match_portable_path(isa, precision):
     agree = sum(int(e.argmax()) == int(g.argmax()) for e, g in zip(expected, got))
     assert agree == len(expected) if precision == "fp32" else agree >= len(expected) - 1
     if precision == "bf16":
-        fp32 = teacher_forced_logits(load_engine(precision="fp32", device="cpu", **OVERRIDES,
-                                                 **{"device.kernels": "portable"}), tokens)
+        fp32 = teacher_forced_logits(
+            load_engine(precision="fp32", device="cpu", **OVERRIDES, **{"device.kernels": "portable"}), tokens
+        )
         fast_error, portable_error = 1 - cosines(fp32, got), 1 - cosines(fp32, expected)
         assert 1 - fast_error.max() >= BF16_MIN_COSINE_TO_FP32 and 1 - portable_error.max() >= BF16_MIN_COSINE_TO_FP32
         assert fast_error.mean() <= portable_error.mean()  # measured: 1.3e-4 against 4.2e-4

@@ -1,4 +1,5 @@
 """KV-cached decoding against full recomputation, the cache's in-place writes, and the slot pool."""
+
 import pytest
 import torch
 from conftest import tiny_config, tiny_engine
@@ -24,8 +25,10 @@ def test_cached_decode_matches_full_recompute_at_every_step(tiny_tokenizer):
 
 def test_greedy_tokens_identical_with_and_without_cache(tiny_tokenizer):
     prompt = list(range(40, 72))
-    outputs = [tiny_engine(tiny_tokenizer, mode).generate(prompt, max_new_tokens=32, temperature=0).token_ids
-               for mode in ("contiguous", "none")]
+    outputs = [
+        tiny_engine(tiny_tokenizer, mode).generate(prompt, max_new_tokens=32, temperature=0).token_ids
+        for mode in ("contiguous", "none")
+    ]
     assert len(outputs[0]) == 32 and outputs[0] == outputs[1]
 
 

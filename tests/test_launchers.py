@@ -1,5 +1,6 @@
 """A smoke sweep through Hydra's parallel launchers: joblib (worker processes) and submitit's local executor
 (what runs each job on SLURM with hydra/launcher=submitit_slurm) each write one ok result.json per job."""
+
 from __future__ import annotations
 
 import json

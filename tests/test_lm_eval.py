@@ -1,5 +1,6 @@
 """lm-eval's `local-completions` model against a real inferlab-serve on local-file tasks (the lm_eval study at
 size=smoke): its log-likelihoods agree with the project's own evaluation of the same text and weights."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -7,9 +8,13 @@ import importlib.util
 import pytest
 from test_bench_smoke import one_ok_result
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
-                                 reason="lm-eval is not installed: pip install -e '.[eval]' (make setup does)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("lm_eval") is None,
+        reason="lm-eval is not installed: pip install -e '.[eval]' (make setup does)",
+    ),
+]
 
 
 def test_lm_eval_agrees_with_the_projects_own_perplexity(tmp_path):

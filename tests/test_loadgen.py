@@ -1,5 +1,6 @@
 """The load generator: vLLM's metric definitions on a known timeline, the SSE client against a fake server on
 loopback, and the in-process engine target."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,10 +28,12 @@ def synthetic() -> list[RequestRecord]:
     # B: sent 1, tokens at 3, 3.5 (end 4): TTFT 2, E2E 3, TPOT 1.0, ITL 0.5
     # C: sent 2, one token at 2.5: TTFT 0.5, E2E 0.5, no TPOT
     # D: failed
-    return [RequestRecord(0.0, [1.0, 2.0, 4.0], 4.0, prompt_tokens=10),
-            RequestRecord(1.0, [3.0, 3.5], 4.0, prompt_tokens=20),
-            RequestRecord(2.0, [2.5], 2.5, prompt_tokens=30),
-            RequestRecord(0.0, [], 1.0, prompt_tokens=40, error="HTTP 503")]
+    return [
+        RequestRecord(0.0, [1.0, 2.0, 4.0], 4.0, prompt_tokens=10),
+        RequestRecord(1.0, [3.0, 3.5], 4.0, prompt_tokens=20),
+        RequestRecord(2.0, [2.5], 2.5, prompt_tokens=30),
+        RequestRecord(0.0, [], 1.0, prompt_tokens=40, error="HTTP 503"),
+    ]
 
 
 def test_metrics_match_vllm_definitions_on_a_known_timeline():

@@ -1,4 +1,5 @@
 """precision=auto serves each checkpoint in its own format, and the defaults say what they chose."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,9 @@ def gguf_with_file_type(path: Path, file_type: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize("file_type, precision", [(0, "fp32"), (1, "bf16"), (3, "int4"), (7, "int8"), (32, "bf16"),
-                                                  (15, "fp32")])
+@pytest.mark.parametrize(
+    "file_type, precision", [(0, "fp32"), (1, "bf16"), (3, "int4"), (7, "int8"), (32, "bf16"), (15, "fp32")]
+)
 def test_a_gguf_runs_in_its_file_type(tmp_path, file_type, precision):
     path = gguf_with_file_type(tmp_path / f"m{file_type}.gguf", file_type)
     chosen, why = native_precision({"path": str(path)})

@@ -5,6 +5,7 @@ References: the engine's own generate/chat for the plain shapes; for echo + logp
 the model's full forward of the prompt; for the penalties a greedy decode written here from OpenAI's
 definitions over the model's full-forward logits.
 """
+
 from __future__ import annotations
 
 import httpx
@@ -45,6 +46,7 @@ def ids_of(engine, text: str) -> list[int]:
 
 # ---- prompt shapes ---------------------------------------------------------------------------------
 
+
 def test_token_id_prompt_and_prompt_batches_match_single_requests(engine, client):
     prompts = [PROMPT, "Hello there", "ab"]
     references = [engine.generate(p, max_new_tokens=5).text for p in prompts]
@@ -73,8 +75,9 @@ def test_n_choices_are_the_seeded_samples_and_seed_repeats(engine, client):
     assert [c.text for c in both.choices] == [sample(seed=7).choices[0].text, sample(seed=8).choices[0].text]
     assert both.choices[0].text != both.choices[1].text
     assert both.usage.completion_tokens == 16 and both.usage.prompt_tokens == len(ids_of(engine, PROMPT))
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
-                                          n=3, temperature=1.0, seed=3)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, n=3, temperature=1.0, seed=3
+    )
     assert len({c.message.content for c in chat.choices}) > 1
 
 
@@ -83,8 +86,9 @@ def test_stream_of_a_batch_tags_each_choice(engine, client):
     references = [engine.generate(p, max_new_tokens=4).text for p in prompts]
     texts = ["", ""]
     usage = None
-    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=4, stream=True,
-                                           stream_options={"include_usage": True}):
+    for chunk in client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=4, stream=True, stream_options={"include_usage": True}
+    ):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
         usage = chunk.usage or usage
@@ -92,6 +96,7 @@ def test_stream_of_a_batch_tags_each_choice(engine, client):
 
 
 # ---- where generation ends ---------------------------------------------------------------------------
+
 
 def eos_id(engine) -> int:
     return min(engine.tokenizer.eos_ids)
@@ -101,11 +106,13 @@ def test_ignore_eos_reaches_max_tokens_and_min_tokens_holds_eos_back(engine, cli
     forced_eos = {str(eos_id(engine)): 100}  # EOS first at every step
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, logit_bias=forced_eos)
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 0
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, logit_bias=forced_eos,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, logit_bias=forced_eos, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 6
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, logit_bias=forced_eos,
-                                    extra_body={"min_tokens": 3})
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, logit_bias=forced_eos, extra_body={"min_tokens": 3}
+    )
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 3
 
 
@@ -115,13 +122,23 @@ def test_stop_token_ids_end_the_request_at_that_token(engine, client):
     cut = reference.token_ids.index(stop)
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, extra_body={"stop_token_ids": [stop]})
     assert out.choices[0].finish_reason == "stop"
-    assert out.usage.completion_tokens == cut and out.choices[0].text == engine.tokenizer.decode(reference.token_ids[:cut])
+    assert out.usage.completion_tokens == cut and out.choices[0].text == engine.tokenizer.decode(
+        reference.token_ids[:cut]
+    )
 
 
 # ---- penalties and logit bias against a reference decode ----------------------------------------------
 
-def reference_decode(engine, prompt_ids: list[int], steps: int, presence: float = 0.0, frequency: float = 0.0,
-                     repetition: float = 1.0, bias: dict[int, float] | None = None) -> list[int]:
+
+def reference_decode(
+    engine,
+    prompt_ids: list[int],
+    steps: int,
+    presence: float = 0.0,
+    frequency: float = 0.0,
+    repetition: float = 1.0,
+    bias: dict[int, float] | None = None,
+) -> list[int]:
     """Greedy decode with OpenAI's definitions, each step's logits from a full forward of the whole text."""
     out: list[int] = []
     for _ in range(steps):
@@ -136,8 +153,15 @@ def reference_decode(engine, prompt_ids: list[int], steps: int, presence: float 
     return out
 
 
-@pytest.mark.parametrize("penalties", [{"frequency_penalty": 1.5}, {"presence_penalty": 1.5},
-                                       {"repetition_penalty": 1.8}, {"logit_bias": {"65": 6.0, "66": -3.0}}])
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"frequency_penalty": 1.5},
+        {"presence_penalty": 1.5},
+        {"repetition_penalty": 1.8},
+        {"logit_bias": {"65": 6.0, "66": -3.0}},
+    ],
+)
 def test_penalties_and_logit_bias_change_the_output_as_defined(engine, client, penalties):
     prompt_ids = ids_of(engine, PROMPT)
     names = {"frequency_penalty": "frequency", "presence_penalty": "presence", "repetition_penalty": "repetition"}
@@ -149,12 +173,14 @@ def test_penalties_and_logit_bias_change_the_output_as_defined(engine, client, p
     assert expected != plain  # the penalty matters for this prompt
     official = {k: v for k, v in penalties.items() if k != "repetition_penalty"}
     extra = {"repetition_penalty": penalties["repetition_penalty"]} if "repetition_penalty" in penalties else {}
-    out = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=12, logprobs=0,
-                                    extra_body={**extra, "ignore_eos": True}, **official)
+    out = client.completions.create(
+        model="tiny", prompt=prompt_ids, max_tokens=12, logprobs=0, extra_body={**extra, "ignore_eos": True}, **official
+    )
     assert out.choices[0].text == engine.tokenizer.decode(expected)
 
 
 # ---- echo and logprobs --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("length", [5, 29])  # 29 tokens: four prefill chunks of at most 8
 def test_echo_logprobs_are_the_models_log_softmax_of_the_prompt(engine, client, length):
@@ -177,8 +203,9 @@ def test_a_stop_token_ends_the_logprobs_as_lm_eval_reads_them(engine, client):
     """lm-eval sends echo, max_tokens=1, logprobs=1 and drops the last entry as the generated token's: a
     generated EOS must therefore be listed too (its logprob the model's own, before the bias)."""
     ids = ids_of(engine, PROMPT)
-    out = client.completions.create(model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=1,
-                                    logit_bias={str(eos_id(engine)): 100})
+    out = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=1, logit_bias={str(eos_id(engine)): 100}
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "stop" and choice.text == PROMPT and out.usage.completion_tokens == 0
     logprobs = torch.log_softmax(full_logits(engine, ids), dim=-1)
@@ -201,38 +228,53 @@ def test_generated_logprobs_on_both_routes(engine, client):
     logprobs = torch.log_softmax(full_logits(engine, chat_ids), dim=-1)
     n = len(reference.token_ids)
     entries = chat.choices[0].logprobs.content
-    assert [e.logprob for e in entries] == pytest.approx([float(logprobs[-n - 1 + i, t])
-                                                          for i, t in enumerate(reference.token_ids)], abs=1e-4)
+    assert [e.logprob for e in entries] == pytest.approx(
+        [float(logprobs[-n - 1 + i, t]) for i, t in enumerate(reference.token_ids)], abs=1e-4
+    )
     assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in entries)
 
 
 # ---- refusals ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("route,extra,param", [
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages"),
-    ("chat", {"top_logprobs": 2}, "top_logprobs"),
-    ("completions", {"suffix": "end"}, "suffix"),
-    ("completions", {"max_tokens": 0}, "max_tokens"),
-    ("completions", {"n": 17}, "n"),
-    ("completions", {"logit_bias": {"x": 1}}, "logit_bias"),
-])
+
+@pytest.mark.parametrize(
+    "route,extra,param",
+    [
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages",
+        ),
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),
+        ("completions", {"suffix": "end"}, "suffix"),
+        ("completions", {"max_tokens": 0}, "max_tokens"),
+        ("completions", {"n": 17}, "n"),
+        ("completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ],
+)
 def test_unsupported_fields_are_refused_by_name(client, route, extra, param):
-    base = ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2} if route == "chat"
-            else {"prompt": PROMPT, "max_tokens": 2})
+    base = (
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        if route == "chat"
+        else {"prompt": PROMPT, "max_tokens": 2}
+    )
     create = client.chat.completions.create if route == "chat" else client.completions.create
     body = {**base, **extra}
     with pytest.raises(openai.UnprocessableEntityError) as caught:
-        create(model="tiny", **{k: v for k, v in body.items() if k in ("messages", "prompt", "max_tokens")},
-               extra_body={k: v for k, v in body.items() if k not in ("messages", "prompt", "max_tokens")})
+        create(
+            model="tiny",
+            **{k: v for k, v in body.items() if k in ("messages", "prompt", "max_tokens")},
+            extra_body={k: v for k, v in body.items() if k not in ("messages", "prompt", "max_tokens")},
+        )
     error = caught.value.body
     assert error["code"] == "invalid_request" and error["type"] == "invalid_request_error"
     assert error["param"] == param and param in error["message"]
 
 
 # ---- models, tokenize, detokenize ----------------------------------------------------------------------
+
 
 def test_model_card_and_tokenize_round_trip(engine, client):
     card = client.models.retrieve("tiny")

@@ -1,4 +1,5 @@
 """Paged KV blocks against the contiguous cache: attention, batched forwards, and the pool's memory."""
+
 import torch
 from conftest import tiny_config, tiny_engine, tiny_model
 
@@ -60,16 +61,19 @@ def test_batched_paged_forward_matches_single_requests_at_every_step(tiny_tokeni
         for table, seq_tokens, token in zip(tables, tokens, nxt):
             seq_tokens.append(token)
             assert blocks.ensure_room(table, len(seq_tokens))
-        logits = forward_paged(model, paged, [[t] for t in nxt], [t.num_computed for t in tables],
-                               [t.blocks for t in tables])  # one batched decode, four lengths
+        logits = forward_paged(
+            model, paged, [[t] for t in nxt], [t.num_computed for t in tables], [t.blocks for t in tables]
+        )  # one batched decode, four lengths
         for table, seq_tokens in zip(tables, tokens):
             blocks.advance(table, seq_tokens, 1)
 
 
 def test_paged_engine_generates_what_the_contiguous_engine_generates(tiny_tokenizer):
     prompt = list(range(40, 80))
-    outputs = [tiny_engine(tiny_tokenizer, mode).generate(prompt, max_new_tokens=24).token_ids
-               for mode in ("contiguous", "paged")]
+    outputs = [
+        tiny_engine(tiny_tokenizer, mode).generate(prompt, max_new_tokens=24).token_ids
+        for mode in ("contiguous", "paged")
+    ]
     assert len(outputs[0]) == 24 and outputs[0] == outputs[1]
 
 

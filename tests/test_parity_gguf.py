@@ -1,4 +1,5 @@
 """The embedded SmolLM2 GGUF loaded by inferlab against the same file loaded by transformers."""
+
 import pytest
 import torch
 
@@ -8,9 +9,18 @@ from inferlab.model.loader import locate_package_file
 pytestmark = pytest.mark.slow
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-TEXTS = ["Hello, world!", "  leading and trailing  ", "tabs\tand\nnewlines\n\n\n", "naïve café — déjà vu",
-         "日本語のテキスト", "emoji 🤖🚀 mix", "numbers 1234567890 3.14159", "<|im_start|>user\nhi<|im_end|>",
-         "a    b     c", "def f(x):\n    return x ** 2\n"]
+TEXTS = [
+    "Hello, world!",
+    "  leading and trailing  ",
+    "tabs\tand\nnewlines\n\n\n",
+    "naïve café — déjà vu",
+    "日本語のテキスト",
+    "emoji 🤖🚀 mix",
+    "numbers 1234567890 3.14159",
+    "<|im_start|>user\nhi<|im_end|>",
+    "a    b     c",
+    "def f(x):\n    return x ** 2\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +60,10 @@ def test_greedy_continuation_and_logits_match_transformers(engine, reference):
     hf_model, hf_tokenizer = reference
     prompt_ids = engine.encode_prompt("", messages=MESSAGES)
     completion = engine.generate(prompt_ids, max_new_tokens=32, temperature=0)
-    hf_out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False,
-                               eos_token_id=sorted(engine.tokenizer.eos_ids))
-    hf_tokens = [t for t in hf_out[0, len(prompt_ids):].tolist() if t not in engine.tokenizer.eos_ids]
+    hf_out = hf_model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False, eos_token_id=sorted(engine.tokenizer.eos_ids)
+    )
+    hf_tokens = [t for t in hf_out[0, len(prompt_ids) :].tolist() if t not in engine.tokenizer.eos_ids]
     assert completion.token_ids == hf_tokens
     assert "Paris" in completion.text
 

@@ -1,5 +1,6 @@
 """Each family as a GGUF file (written with gguf's GGUFWriter from the same random weights, laid out as
 llama.cpp's converter does) against transformers on the original model: logits and greedy tokens."""
+
 import pytest
 from conftest import byte_level_backend
 from gguf_writer import byte_level_vocab, write_gguf
@@ -7,15 +8,23 @@ from test_parity_transformers import MAX_SEQ_LEN, assert_engine_matches, local_e
 
 from inferlab.model.config import ModelConfig
 
-CASES = ["llama", "llama-tied-llama3-rope", "qwen3", "gemma2", "gemma3", "phi3-partial-rotary-longrope-short",
-         "phi3-longrope-long"]
+CASES = [
+    "llama",
+    "llama-tied-llama3-rope",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3-partial-rotary-longrope-short",
+    "phi3-longrope-long",
+]
 
 
 @pytest.fixture(scope="module", params=CASES)
 def gguf_file(request, tmp_path_factory):
     reference = reference_model(request.param)
-    path = write_gguf(reference, tmp_path_factory.mktemp(request.param) / "model.gguf",
-                      byte_level_vocab(byte_level_backend()))
+    path = write_gguf(
+        reference, tmp_path_factory.mktemp(request.param) / "model.gguf", byte_level_vocab(byte_level_backend())
+    )
     return request.param, reference, path
 
 
@@ -26,8 +35,18 @@ def test_gguf_logits_and_greedy_tokens_match_transformers(gguf_file, kernels, ca
     assert engine.loaded.gguf_path == path
     ours, hf = engine.loaded.config, ModelConfig.from_hf(reference.config.to_dict())
     hf.max_seq_len = MAX_SEQ_LEN
-    for field in ("qk_norm", "sandwich_norms", "activation", "embed_scale", "attn_softcap", "final_softcap",
-                  "rope_local_theta", "rotary_dim", "tie_embeddings", "head_dim"):  # the file declares the family
+    for field in (
+        "qk_norm",
+        "sandwich_norms",
+        "activation",
+        "embed_scale",
+        "attn_softcap",
+        "final_softcap",
+        "rope_local_theta",
+        "rotary_dim",
+        "tie_embeddings",
+        "head_dim",
+    ):  # the file declares the family
         assert getattr(ours, field) == getattr(hf, field), field
     assert [ours.window(i) for i in range(ours.n_layers)] == [hf.window(i) for i in range(hf.n_layers)]
     assert ours.query_scale == pytest.approx(hf.query_scale)

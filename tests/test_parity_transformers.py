@@ -4,6 +4,7 @@ One case per family and feature (sliding windows shorter than the test's sequenc
 enough to bite, partial rotary, each rope scaling), each run through the fast kernels and the
 portable path, over the contiguous and the paged cache.
 """
+
 import pytest
 import torch
 from conftest import byte_level_backend
@@ -29,32 +30,75 @@ from inferlab.kernels.build import cpu_gemv_available
 from inferlab.model.loader import load_model
 
 NO_SPECIAL_IDS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # greedy runs the full length
-SHAPE = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, head_dim=16, **NO_SPECIAL_IDS)
+SHAPE = dict(
+    vocab_size=257,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    head_dim=16,
+    **NO_SPECIAL_IDS,
+)
 MAX_SEQ_LEN, PROMPT, NEW = 64, 20, 12  # the engine's context; a 20-token prompt and 12 greedy tokens
-LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.3, 1.7, 2.2],
-                long_factor=[1.5, 2.5, 4.0, 8.0])  # 4 = (head_dim * partial_rotary_factor) / 2 frequencies
-GEMMA_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-              "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
+LONGROPE = dict(
+    rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.3, 1.7, 2.2], long_factor=[1.5, 2.5, 4.0, 8.0]
+)  # 4 = (head_dim * partial_rotary_factor) / 2 frequencies
+GEMMA_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+}
 CASES = {
     "llama": (LlamaForCausalLM, LlamaConfig(**SHAPE, rope_theta=10000.0, tie_word_embeddings=False)),
-    "llama-tied-llama3-rope": (LlamaForCausalLM, LlamaConfig(
-        **SHAPE, tie_word_embeddings=True, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama-tied-llama3-rope": (
+        LlamaForCausalLM,
+        LlamaConfig(
+            **SHAPE,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(**SHAPE, rope_theta=1000000.0, tie_word_embeddings=True)),
     "qwen3": (Qwen3ForCausalLM, Qwen3Config(**SHAPE, tie_word_embeddings=False)),
     "mistral-sliding-window": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=8)),
-    "gemma2": (Gemma2ForCausalLM, Gemma2Config(**SHAPE, query_pre_attn_scalar=24, sliding_window=8,
-                                               attn_logit_softcapping=1.5, final_logit_softcapping=2.0)),
-    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(**SHAPE, query_pre_attn_scalar=12, sliding_window=8,
-                                                   layer_types=["sliding_attention", "full_attention"],
-                                                   rope_parameters=GEMMA_ROPE)),
-    "phi3-partial-rotary-longrope-short": (Phi3ForCausalLM, Phi3Config(
-        **SHAPE, sliding_window=10, rope_parameters={**LONGROPE, "partial_rotary_factor": 0.5,
-                                                     "original_max_position_embeddings": MAX_SEQ_LEN})),
-    "phi3-longrope-long": (Phi3ForCausalLM, Phi3Config(
-        **SHAPE, rope_parameters={**LONGROPE, "partial_rotary_factor": 0.5, "original_max_position_embeddings": 16})),
+    "gemma2": (
+        Gemma2ForCausalLM,
+        Gemma2Config(
+            **SHAPE, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=1.5, final_logit_softcapping=2.0
+        ),
+    ),
+    "gemma3": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig(
+            **SHAPE,
+            query_pre_attn_scalar=12,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters=GEMMA_ROPE,
+        ),
+    ),
+    "phi3-partial-rotary-longrope-short": (
+        Phi3ForCausalLM,
+        Phi3Config(
+            **SHAPE,
+            sliding_window=10,
+            rope_parameters={**LONGROPE, "partial_rotary_factor": 0.5, "original_max_position_embeddings": MAX_SEQ_LEN},
+        ),
+    ),
+    "phi3-longrope-long": (
+        Phi3ForCausalLM,
+        Phi3Config(
+            **SHAPE, rope_parameters={**LONGROPE, "partial_rotary_factor": 0.5, "original_max_position_embeddings": 16}
+        ),
+    ),
 }
 FUSED_DECODE = {"llama", "llama-tied-llama3-rope", "qwen2"}  # the C++ step runs exactly these layers
 
@@ -92,9 +136,19 @@ def assert_engine_matches(engine, reference, case: str, kernels: str) -> None:
 
 
 def local_engine(path, kernels: str, cache: str):
-    return load_engine(model="local", precision="fp32", cache=cache, device="cpu", **{
-        "model.path": str(path), "device.kernels": kernels, "cache.max_seq_len": MAX_SEQ_LEN, "cache.prefix": False,
-        "cache.kv_budget_mb": 1})
+    return load_engine(
+        model="local",
+        precision="fp32",
+        cache=cache,
+        device="cpu",
+        **{
+            "model.path": str(path),
+            "device.kernels": kernels,
+            "cache.max_seq_len": MAX_SEQ_LEN,
+            "cache.prefix": False,
+            "cache.kv_budget_mb": 1,
+        },
+    )
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -115,12 +169,15 @@ def test_config_declares_the_family(checkpoint):
     assert config.qk_norm == (case in ("qwen3", "gemma3"))
     assert config.sandwich_norms == case.startswith("gemma")
     assert config.rotary_dim == (8 if case.startswith("phi3") else 16)
-    assert (config.window(0) is not None) == (case in ("mistral-sliding-window", "gemma2", "gemma3", "phi3-partial-rotary-longrope-short"))
+    assert (config.window(0) is not None) == (
+        case in ("mistral-sliding-window", "gemma2", "gemma3", "phi3-partial-rotary-longrope-short")
+    )
     assert config.llama_layer == (case in FUSED_DECODE)
 
 
-@pytest.mark.parametrize("kernels,cache", [("fast", "contiguous"), ("fast", "paged"), ("portable", "contiguous"),
-                                           ("portable", "paged")])
+@pytest.mark.parametrize(
+    "kernels,cache", [("fast", "contiguous"), ("fast", "paged"), ("portable", "contiguous"), ("portable", "paged")]
+)
 def test_logits_and_greedy_tokens_match_transformers(checkpoint, kernels, cache, one_thread):
     case, reference, path = checkpoint
     assert_engine_matches(local_engine(path, kernels, cache), reference, case, kernels)

@@ -1,4 +1,5 @@
 """Where inferlab finds conf/ and keeps its cache (paths.py), run from the repository."""
+
 import sys
 from pathlib import Path
 

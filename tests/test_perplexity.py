@@ -1,4 +1,5 @@
 """Strided-window perplexity against token-by-token recomputation, and the offline corpus split/cache."""
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,12 @@ def test_single_window_equals_full_cross_entropy():
 def test_strided_matches_token_by_token_recomputation():
     """Each token p is predicted from exactly the context its window gives it, recomputed alone."""
     model, ids = tiny_model(), random_ids(20)
-    contexts = {p: 0 for p in range(1, 8)} | {p: 4 for p in range(8, 12)} | {p: 8 for p in range(12, 16)} \
-        | {p: 12 for p in range(16, 20)}  # window 8, stride 4
+    contexts = (
+        {p: 0 for p in range(1, 8)}
+        | {p: 4 for p in range(8, 12)}
+        | {p: 8 for p in range(12, 16)}
+        | {p: 12 for p in range(16, 20)}
+    )  # window 8, stride 4
     nll = 0.0
     for p, begin in contexts.items():
         logits = model(ids[None, begin:p], torch.arange(p - begin)[None])[0, -1]
@@ -46,8 +51,10 @@ def test_strided_matches_token_by_token_recomputation():
     assert evaluate_perplexity(model, ids.tolist(), window=8, stride=4) == pytest.approx(math.exp(nll / 19), rel=1e-5)
 
 
-@pytest.mark.parametrize("window, stride, message", [(8, 8, "stride < window"), (8, 0, "stride < window"),
-                                                     (512, 64, "exceeds the model's context")])
+@pytest.mark.parametrize(
+    "window, stride, message",
+    [(8, 8, "stride < window"), (8, 0, "stride < window"), (512, 64, "exceeds the model's context")],
+)
 def test_bad_windows(window, stride, message):
     with pytest.raises(InvalidRequestError, match=message):
         evaluate_perplexity(tiny_model(), random_ids(20), window, stride)
@@ -73,7 +80,9 @@ def test_val_tokens_are_cached_once_and_match_the_tokenizer(tiny_tokenizer, tmp_
     ids = load_tokens(tiny_tokenizer, "shakespeare", "val", max_tokens=300)
     assert ids.dtype == torch.int64 and ids.tolist() == tiny_tokenizer.encode(first_doc)[:300]
     path = token_file(tiny_tokenizer, "shakespeare", "val")
-    assert path.parent.parent == tmp_path / "corpus" and path.stat().st_size == 2 * len(load_tokens(tiny_tokenizer, "shakespeare", "val"))
+    assert path.parent.parent == tmp_path / "corpus" and path.stat().st_size == 2 * len(
+        load_tokens(tiny_tokenizer, "shakespeare", "val")
+    )
 
 
 def test_unknown_corpus():

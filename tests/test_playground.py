@@ -1,6 +1,7 @@
 """The chat playground at `/` in headless Chromium (Debian's `chromium`, driven by Playwright): type a question,
 see the answer stream in token by token over the SSE API, with TTFT, tokens/s and the server's metrics,
 through an API key. The answer is the engine's own greedy reply to the same messages."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,10 @@ KEY = "k-page"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
-                       reason="no chromium here (CI installs it: `make browser`, Debian's chromium package)"),
+    pytest.mark.skipif(
+        CHROMIUM is None and not os.environ.get("CI"),
+        reason="no chromium here (CI installs it: `make browser`, Debian's chromium package)",
+    ),
 ]
 
 # every change of the answer's text, with its length, recorded in the page as it happens
@@ -64,6 +67,8 @@ def test_a_question_streams_its_answer_with_ttft_and_rate(tiny_tokenizer, page, 
         assert page.locator(".msg.user").text_content() == question
         lengths = page.evaluate("window.textLengths")
         assert len(set(lengths)) > 3 and lengths == sorted(lengths)  # it grew piece by piece, not at once
-        assert float(answer.get_attribute("data-ttft-ms")) > 0 and float(answer.get_attribute("data-tokens-per-sec")) > 0
+        assert (
+            float(answer.get_attribute("data-ttft-ms")) > 0 and float(answer.get_attribute("data-tokens-per-sec")) > 0
+        )
         page.wait_for_selector("#metrics dt:text-is('completed') + dd:not(:text-is('0'))", timeout=10_000)
         page.screenshot(path=str(tmp_path / "playground.png"))

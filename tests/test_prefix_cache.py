@@ -1,4 +1,5 @@
 """Block-level prefix cache: a shared 200-token prefix is not recomputed, gives the same logits, and evicts LRU."""
+
 from dataclasses import replace
 
 import torch

@@ -1,4 +1,5 @@
 """The harness's progress bars draw on a terminal and stay silent in a log or a pipe."""
+
 from __future__ import annotations
 
 import io

@@ -1,4 +1,5 @@
 """INT8 / INT4 weight quantization on random layers and tiny models: storage, error bounds, kernel vs reference."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,6 +31,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ---- INT8 --------------------------------------------------------------------------------------------
 
+
 def test_int8_storage_is_a_quarter_of_fp32_and_output_close():
     linear = random_linear(512, 256, bias=True)
     q = Int8Linear(linear)
@@ -58,6 +60,7 @@ def test_int8_kernel_matches_reference_in_bf16(bias):
 
 
 # ---- INT4 --------------------------------------------------------------------------------------------
+
 
 def test_pack_unpack_round_trip_exact():
     codes = torch.randint(0, 16, (24, 64), dtype=torch.uint8)
@@ -131,6 +134,7 @@ def test_int4_in_features_not_divisible():
 
 
 # ---- whole models ------------------------------------------------------------------------------------
+
 
 def logits(model: nn.Module) -> torch.Tensor:
     tokens = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(1))

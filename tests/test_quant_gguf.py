@@ -1,4 +1,5 @@
 """Quantization on the real default model (SmolLM2-135M Q4_1 GGUF): lossless Q4_1 import, int8 on real layers."""
+
 from __future__ import annotations
 
 import copy
@@ -39,8 +40,16 @@ def test_q4_1_import_reproduces_the_dequantized_gguf_weights(fp32):
         assert torch.equal(q.dequantize(), linear.weight), name
 
 
-@pytest.mark.parametrize("name", ["layers.0.attention.wqkv", "layers.0.attention.wo", "layers.15.feed_forward.w13",
-                                  "layers.29.feed_forward.w2", "output"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "layers.0.attention.wqkv",
+        "layers.0.attention.wo",
+        "layers.15.feed_forward.w13",
+        "layers.29.feed_forward.w2",
+        "output",
+    ],
+)
 def test_int8_on_real_layers(fp32, name):
     linear = fp32.model.get_submodule(name)
     q = Int8Linear(linear)

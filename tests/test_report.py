@@ -1,4 +1,5 @@
 """inferlab-report on a fixture of result.json files: CSV, charts, sections, newest-wins, and the notebook."""
+
 from __future__ import annotations
 
 import json
@@ -15,15 +16,38 @@ from inferlab.report.collect import collect
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
 
 
-def write(root: Path, name: str, study: str, overrides: list[str], rows: list[dict], status: str = "ok",
-          error: str | None = None, timestamp: str = "2026-01-01T00:00:00+00:00") -> None:
-    choices = {"model": "tiny-random", "precision": "fp32", "cache": "contiguous", "spec": "off", "target": "engine",
-               "load": "shakespeare", "device": "auto"}
+def write(
+    root: Path,
+    name: str,
+    study: str,
+    overrides: list[str],
+    rows: list[dict],
+    status: str = "ok",
+    error: str | None = None,
+    timestamp: str = "2026-01-01T00:00:00+00:00",
+) -> None:
+    choices = {
+        "model": "tiny-random",
+        "precision": "fp32",
+        "cache": "contiguous",
+        "spec": "off",
+        "target": "engine",
+        "load": "shakespeare",
+        "device": "auto",
+    }
     choices.update(dict(o.split("=", 1) for o in overrides if o.split("=")[0] in choices))
-    result = {"study": study, "sweep": study, "status": status, "error": error, "seconds": 1.0,
-              "overrides": overrides, "choices": choices, "config": {"measure": {"size": "smoke"}},
-              "env": {"timestamp": timestamp, "cpu_model": "Test CPU", "torch_threads": 2, "git_commit": "abc"},
-              "rows": rows}
+    result = {
+        "study": study,
+        "sweep": study,
+        "status": status,
+        "error": error,
+        "seconds": 1.0,
+        "overrides": overrides,
+        "choices": choices,
+        "config": {"measure": {"size": "smoke"}},
+        "env": {"timestamp": timestamp, "cpu_model": "Test CPU", "torch_threads": 2, "git_commit": "abc"},
+        "rows": rows,
+    }
     (root / name).mkdir(parents=True)
     (root / name / "result.json").write_text(json.dumps(result))
 
@@ -31,17 +55,47 @@ def write(root: Path, name: str, study: str, overrides: list[str], rows: list[di
 @pytest.fixture
 def outputs(tmp_path: Path) -> Path:
     root = tmp_path / "outputs"
-    write(root, "kv/0", "kv_speedup", ["cache=none"], [{"context_len": 4, "decode_tok_s": 2.0},
-                                                       {"context_len": 8, "decode_tok_s": 1.0}])
-    write(root, "kv/1", "kv_speedup", ["cache=contiguous"], [{"context_len": 4, "decode_tok_s": 9.0},
-                                                             {"context_len": 8, "decode_tok_s": 8.5}])
-    write(root, "kv/old", "kv_speedup", ["cache=contiguous"], [{"context_len": 4, "decode_tok_s": 99.0}],
-          timestamp="2025-01-01T00:00:00+00:00")  # superseded by kv/1
-    write(root, "peers/0", "peers", ["precision=fp32"], [
-        {"engine": "inferlab", "decode_tok_s": 50.0, "pct_roofline": 40.0, "note": "x"},
-        {"engine": "transformers", "decode_tok_s": 25.0, "pct_roofline": 20.0, "note": "y"}])
-    write(root, "quant/int8", "quant_tradeoff", ["precision=int8"], [], status="unavailable",
-          error="precision=int8 is not available yet")
+    write(
+        root,
+        "kv/0",
+        "kv_speedup",
+        ["cache=none"],
+        [{"context_len": 4, "decode_tok_s": 2.0}, {"context_len": 8, "decode_tok_s": 1.0}],
+    )
+    write(
+        root,
+        "kv/1",
+        "kv_speedup",
+        ["cache=contiguous"],
+        [{"context_len": 4, "decode_tok_s": 9.0}, {"context_len": 8, "decode_tok_s": 8.5}],
+    )
+    write(
+        root,
+        "kv/old",
+        "kv_speedup",
+        ["cache=contiguous"],
+        [{"context_len": 4, "decode_tok_s": 99.0}],
+        timestamp="2025-01-01T00:00:00+00:00",
+    )  # superseded by kv/1
+    write(
+        root,
+        "peers/0",
+        "peers",
+        ["precision=fp32"],
+        [
+            {"engine": "inferlab", "decode_tok_s": 50.0, "pct_roofline": 40.0, "note": "x"},
+            {"engine": "transformers", "decode_tok_s": 25.0, "pct_roofline": 20.0, "note": "y"},
+        ],
+    )
+    write(
+        root,
+        "quant/int8",
+        "quant_tradeoff",
+        ["precision=int8"],
+        [],
+        status="unavailable",
+        error="precision=int8 is not available yet",
+    )
     write(root, "batch/0", "batching", ["load.concurrency=4"], [], status="error", error="RuntimeError: boom")
     return root
 
@@ -74,23 +128,37 @@ def test_collect_keeps_one_line_per_row_and_jobs_without_rows(outputs: Path):
 def test_notebook_runs_on_the_fixture(outputs: Path, monkeypatch):
     monkeypatch.setenv("INFERLAB_OUTPUTS", str(outputs))
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(notebook, timeout=120, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
-    images = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if "image/png" in o.get("data", {})]
+    NotebookClient(
+        notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+    ).execute()
+    images = [
+        o
+        for c in notebook.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if "image/png" in o.get("data", {})
+    ]
     assert len(images) == 2  # kv_speedup and peers have charts and rows
 
 
 def test_perplexity_delta_against_fp32_comes_from_the_csv(tmp_path: Path):
     root = tmp_path / "outputs"
     for precision, ppl in (("fp32", 20.0), ("int8", 20.5), ("int4", 21.0)):
-        write(root, f"q/{precision}", "quant_tradeoff", [f"precision={precision}"],
-              [{"batch_size": b, "weight_mb": 1.0, "gen_tok_s": 1.0, "perplexity": ppl} for b in (1, 8)])
+        write(
+            root,
+            f"q/{precision}",
+            "quant_tradeoff",
+            [f"precision={precision}"],
+            [{"batch_size": b, "weight_mb": 1.0, "gen_tok_s": 1.0, "perplexity": ppl} for b in (1, 8)],
+        )
     build(root, tmp_path / "report", tmp_path / "REPORT.md")
     quant = (tmp_path / "REPORT.md").read_text().split("## Precision vs memory")[1].split("\n## ")[0]
     assert "perplexity vs fp32 (%)" in quant
-    rows = {line.split("|")[1].strip() + line.split("|")[2].strip(): line for line in quant.splitlines()
-            if line.startswith("| int") or line.startswith("| fp32")}
+    rows = {
+        line.split("|")[1].strip() + line.split("|")[2].strip(): line
+        for line in quant.splitlines()
+        if line.startswith("| int") or line.startswith("| fp32")
+    }
     assert "| 2.50 " in rows["int81"] and "| 5.00 " in rows["int48"] and "| 0 " in rows["fp321"]
 
 
@@ -131,9 +199,15 @@ def test_notebook_reads_the_committed_csv_on_a_fresh_clone(tmp_path: Path, monke
     (outputs / "report" / "results.csv").write_bytes(COMMITTED_CSV.read_bytes())
     monkeypatch.setenv("INFERLAB_OUTPUTS", str(outputs))
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(notebook, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
-    images = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if "image/png" in o.get("data", {})]
+    NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+    ).execute()
+    images = [
+        o
+        for c in notebook.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if "image/png" in o.get("data", {})
+    ]
     studies = pd.read_csv(COMMITTED_CSV).query("status == 'ok'").study.nunique()
     assert len(images) == studies

@@ -1,4 +1,5 @@
 """Sampling against exact distributions, stop strings, and streaming detokenization."""
+
 import pytest
 import torch
 from conftest import tiny_engine
@@ -58,8 +59,11 @@ def test_extreme_logits_stay_finite():
 def test_every_accepted_value_gives_a_distribution_that_keeps_the_top_token(top_p, temperature):
     """Found from outside: top_p=1e-50 rounded to 0 in fp32, dropped every token, and the softmax was nan."""
     generator = torch.Generator().manual_seed(0)
-    for logits in (torch.randn(300, generator=generator) * 20, torch.tensor([3e4, 3e4, -3e4, float("-inf")]),
-                   torch.randn(300, generator=generator).to(torch.bfloat16)):
+    for logits in (
+        torch.randn(300, generator=generator) * 20,
+        torch.tensor([3e4, 3e4, -3e4, float("-inf")]),
+        torch.randn(300, generator=generator).to(torch.bfloat16),
+    ):
         for top_k in (0, 1, 10**9):
             p = params(temperature=temperature, top_p=top_p, top_k=top_k)
             probs = probabilities(logits, p)
@@ -72,9 +76,11 @@ def test_every_accepted_value_gives_a_distribution_that_keeps_the_top_token(top_
 def test_a_tiny_repetition_penalty_keeps_the_distribution_finite(penalty):
     """Found by schemathesis: repetition_penalty=5e-324 divided seen tokens' logits to inf, and sampling hit nan."""
     from inferlab.engine.logits import process_logits
+
     logits = torch.randn(300, generator=torch.Generator().manual_seed(0)) * 5
-    p = SamplingParams(max_new_tokens=4, temperature=1.0, repetition_penalty=penalty, logit_bias={3: 5.0, 10**6: 1.0},
-                       min_tokens=2)
+    p = SamplingParams(
+        max_new_tokens=4, temperature=1.0, repetition_penalty=penalty, logit_bias={3: 5.0, 10**6: 1.0}, min_tokens=2
+    )
     processed = process_logits(logits, p, prompt_ids=[1, 2, 3], output_ids=[4], stop_ids={5, 10**6})
     probs = probabilities(processed, p)
     assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0, abs=1e-5) and probs[5] == 0
@@ -87,8 +93,9 @@ def test_seed_reproduces_and_differs(tiny_tokenizer):
     assert run(7) != run(8)
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0.0), dict(top_p=1.5),
-                                 dict(top_k=-1)])
+@pytest.mark.parametrize(
+    "bad", [dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)]
+)
 def test_invalid_parameters_are_refused(bad):
     with pytest.raises(InvalidRequestError):
         params(**bad)
@@ -128,4 +135,4 @@ def test_generate_stops_at_stop_string():
     stop = full.text[6:10]
     assert stop and full.finish_reason == "length"
     cut = engine.generate([5, 6, 7], max_new_tokens=16, temperature=0, stop=[stop])
-    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.find(stop)]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)]

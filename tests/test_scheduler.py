@@ -1,4 +1,5 @@
 """Continuous batching: the allocator never leaks or over-admits, preemption recomputes exactly, submit() streams."""
+
 import asyncio
 import time
 from dataclasses import replace
@@ -28,12 +29,20 @@ def expected_output(prompt: list[int], max_new: int) -> list[int]:
     tokens = list(prompt)
     for _ in range(max_new):
         tokens.append(next_token(tokens))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def fake_request(i: int, prompt: list[int], max_new: int, priority: int = 0) -> Request:
-    return Request(i, prompt, SamplingParams(max_new_tokens=max_new), max_new, text=None, eos_ids=set(),
-                   emit=lambda event: None, priority=priority)
+    return Request(
+        i,
+        prompt,
+        SamplingParams(max_new_tokens=max_new),
+        max_new,
+        text=None,
+        eos_ids=set(),
+        emit=lambda event: None,
+        priority=priority,
+    )
 
 
 def fake_step(scheduler: Scheduler) -> None:
@@ -66,18 +75,29 @@ def check_invariants(scheduler: Scheduler) -> None:
         assert len(request.kv.blocks) >= blocks.blocks_for(request.kv.num_computed)
 
 
-operations = st.lists(st.one_of(
-    st.tuples(st.just("arrive"), st.integers(0, 2), st.integers(1, 4), st.integers(2, 16), st.integers(0, 1)),
-    st.tuples(st.just("cancel"), st.integers(0, 30)),
-    st.tuples(st.just("step"), st.integers(1, 3)),
-), min_size=4, max_size=40)
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("arrive"), st.integers(0, 2), st.integers(1, 4), st.integers(2, 16), st.integers(0, 1)),
+        st.tuples(st.just("cancel"), st.integers(0, 30)),
+        st.tuples(st.just("step"), st.integers(1, 3)),
+    ),
+    min_size=4,
+    max_size=40,
+)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=operations, num_blocks=st.integers(6, 14), block_size=st.integers(2, 3), prefix=st.booleans(),
-       max_running=st.integers(1, 6), chunk=st.integers(1, 16))
+@given(
+    ops=operations,
+    num_blocks=st.integers(6, 14),
+    block_size=st.integers(2, 3),
+    prefix=st.booleans(),
+    max_running=st.integers(1, 6),
+    chunk=st.integers(1, 16),
+)
 def test_allocator_never_leaks_never_over_admits_and_preemption_recomputes_exactly(
-        ops, num_blocks, block_size, prefix, max_running, chunk):
+    ops, num_blocks, block_size, prefix, max_running, chunk
+):
     blocks = BlockManager(num_blocks, block_size, block_bytes=1, prefix_cache=PrefixCache() if prefix else None)
     scheduler = Scheduler(blocks, SchedulerConfig(max_running=max_running, max_waiting=6, prefill_chunk=chunk))
     requests: list[Request] = []
@@ -128,8 +148,13 @@ def test_waiting_requests_go_by_priority_then_arrival():
 
 def paged_engine(tokenizer, kv_blocks: int, block_size: int = 8, prefix: bool = False, **scheduler) -> InferenceEngine:
     engine = tiny_engine(tokenizer, "paged")
-    config = replace(engine.config, kv_blocks=kv_blocks, block_size=block_size, prefix_cache=prefix,
-                     scheduler=replace(engine.config.scheduler, **scheduler))
+    config = replace(
+        engine.config,
+        kv_blocks=kv_blocks,
+        block_size=block_size,
+        prefix_cache=prefix,
+        scheduler=replace(engine.config.scheduler, **scheduler),
+    )
     return InferenceEngine(engine.loaded, config)
 
 
@@ -184,8 +209,9 @@ def test_closing_the_stream_cancels_and_frees_blocks_while_others_continue(tiny_
 
     async def main():
         leaver = engine.submit(GenerationRequest(list(range(5, 40)), SamplingParams(max_new_tokens=200)))
-        survivor = asyncio.ensure_future(collect(engine.submit(GenerationRequest(survivor_prompt,
-                                                                                 SamplingParams(max_new_tokens=30)))))
+        survivor = asyncio.ensure_future(
+            collect(engine.submit(GenerationRequest(survivor_prompt, SamplingParams(max_new_tokens=30))))
+        )
         seen = [await leaver.__anext__() for _ in range(3)]
         await leaver.aclose()  # the client went away
         tokens = await survivor
@@ -204,14 +230,17 @@ def test_closing_the_stream_cancels_and_frees_blocks_while_others_continue(tiny_
 def test_per_request_sampling_params_in_one_batch(tiny_tokenizer):
     engine = paged_engine(tiny_tokenizer, kv_blocks=64)
     reference = tiny_engine(tiny_tokenizer, "contiguous", slots=1)
-    cases = [(list(range(5, 25)), dict(temperature=0.0)),
-             (list(range(30, 41)), dict(temperature=0.9, seed=7)),
-             (list(range(60, 90)), dict(temperature=1.2, top_k=5, seed=3)),
-             (list(range(90, 99)), dict(temperature=0.7, top_p=0.8, seed=11))]
+    cases = [
+        (list(range(5, 25)), dict(temperature=0.0)),
+        (list(range(30, 41)), dict(temperature=0.9, seed=7)),
+        (list(range(60, 90)), dict(temperature=1.2, top_k=5, seed=3)),
+        (list(range(90, 99)), dict(temperature=0.7, top_p=0.8, seed=11)),
+    ]
 
     async def main():
-        streams = [engine.submit(GenerationRequest(p, engine.sampling_params(max_new_tokens=16, **kw)))
-                   for p, kw in cases]
+        streams = [
+            engine.submit(GenerationRequest(p, engine.sampling_params(max_new_tokens=16, **kw))) for p, kw in cases
+        ]
         return await asyncio.gather(*(collect(s) for s in streams))  # all four decode in the same batches
 
     outputs = asyncio.run(main())
@@ -238,5 +267,6 @@ def test_chunked_prefill_through_the_engine_gives_single_request_tokens(tiny_tok
     prompts = [list(range(5, 45)), list(range(50, 61)), list(range(70, 103))]
     engine = paged_engine(tiny_tokenizer, kv_blocks=64, prefill_chunk=7)
     reference = tiny_engine(tiny_tokenizer, "contiguous", slots=1)
-    assert [c.token_ids for c in engine.generate_batch(prompts, max_new_tokens=10)] == \
-        [reference.generate(p, max_new_tokens=10).token_ids for p in prompts]
+    assert [c.token_ids for c in engine.generate_batch(prompts, max_new_tokens=10)] == [
+        reference.generate(p, max_new_tokens=10).token_ids for p in prompts
+    ]

@@ -3,6 +3,7 @@
 References: the engine called directly (same prompt, greedy) for every generation route; the error
 envelope and status table of server/guards.py for every refusal.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -69,13 +70,14 @@ def engine(tiny_tokenizer):
 
 
 def client_for(engine, raise_server_exceptions: bool = True, **settings) -> TestClient:
-    return TestClient(create_app(engine, make_settings(**settings), "tiny"),
-                      raise_server_exceptions=raise_server_exceptions)
+    return TestClient(
+        create_app(engine, make_settings(**settings), "tiny"), raise_server_exceptions=raise_server_exceptions
+    )
 
 
 def sse_payloads(text: str) -> list:
     """The `data:` payloads of an SSE body, JSON-decoded, `[DONE]` kept as the string."""
-    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    lines = [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
     return [line if line == "[DONE]" else json.loads(line) for line in lines]
 
 
@@ -99,6 +101,7 @@ def assert_idle_soon(engine, within_s: float = 1.5) -> None:
 
 # ---- generation matches the engine ---------------------------------------------------------------
 
+
 def test_generate_matches_engine(engine):
     reference = engine.generate(PROMPT, max_new_tokens=8)
     r = client_for(engine).post("/v1/generate", json={"prompt": PROMPT, "max_new_tokens": 8})
@@ -106,8 +109,11 @@ def test_generate_matches_engine(engine):
     body = r.json()
     assert body["text"] == reference.text and body["token_ids"] == reference.token_ids
     assert body["finish_reason"] == reference.finish_reason
-    assert body["usage"] == {"prompt_tokens": reference.timings.prompt_tokens, "completion_tokens": 8,
-                             "total_tokens": reference.timings.prompt_tokens + 8}
+    assert body["usage"] == {
+        "prompt_tokens": reference.timings.prompt_tokens,
+        "completion_tokens": 8,
+        "total_tokens": reference.timings.prompt_tokens + 8,
+    }
     assert r.headers["x-request-id"] == body["id"]
 
 
@@ -169,48 +175,66 @@ def test_tiny_temperature_samples_like_greedy(engine):
 
 # ---- guardrails ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("route,body", [
-    ("/v1/generate", {"prompt": PROMPT, "max_new_tokens": 99999}),
-    ("/v1/generate", {"prompt": PROMPT, "max_new_tokens": 65}),  # above the configured cap (64)
-    ("/v1/generate", {"prompt": PROMPT, "max_new_tokens": 0}),
-    ("/v1/generate", {"prompt": ""}),
-    ("/v1/generate", {"prompt": "a" * 4097}),
-    ("/v1/generate", {"prompt": "a" * 300}),  # 300 byte tokens > the tiny model's context (256) - 16
-    ("/v1/generate", {"prompt": PROMPT, "temperature": 3}),
-    ("/v1/generate", {"prompt": PROMPT, "top_p": 0}),
-    ("/v1/generate", {"prompt": PROMPT, "top_k": -1}),
-    ("/v1/generate", {"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}),
-    ("/v1/generate", {"prompt": PROMPT, "unknown": 1}),
-    ("/v1/generate", b'{"prompt": "\\ud800"}'),  # a lone surrogate, as JSON may carry it
-    ("/v1/generate/stream", {"prompt": PROMPT, "max_new_tokens": 99999}),
-    ("/v1/completions", {"prompt": "", "max_tokens": 4}),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 99999}),
-    ("/v1/completions", {"prompt": PROMPT, "n": 17}),
-    ("/v1/chat/completions", {"messages": []}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 4097}]}),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 3, "stream": True}),
-])
+
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        ("/v1/generate", {"prompt": PROMPT, "max_new_tokens": 99999}),
+        ("/v1/generate", {"prompt": PROMPT, "max_new_tokens": 65}),  # above the configured cap (64)
+        ("/v1/generate", {"prompt": PROMPT, "max_new_tokens": 0}),
+        ("/v1/generate", {"prompt": ""}),
+        ("/v1/generate", {"prompt": "a" * 4097}),
+        ("/v1/generate", {"prompt": "a" * 300}),  # 300 byte tokens > the tiny model's context (256) - 16
+        ("/v1/generate", {"prompt": PROMPT, "temperature": 3}),
+        ("/v1/generate", {"prompt": PROMPT, "top_p": 0}),
+        ("/v1/generate", {"prompt": PROMPT, "top_k": -1}),
+        ("/v1/generate", {"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}),
+        ("/v1/generate", {"prompt": PROMPT, "unknown": 1}),
+        ("/v1/generate", b'{"prompt": "\\ud800"}'),  # a lone surrogate, as JSON may carry it
+        ("/v1/generate/stream", {"prompt": PROMPT, "max_new_tokens": 99999}),
+        ("/v1/completions", {"prompt": "", "max_tokens": 4}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 99999}),
+        ("/v1/completions", {"prompt": PROMPT, "n": 17}),
+        ("/v1/chat/completions", {"messages": []}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 4097}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 3, "stream": True}),
+    ],
+)
 def test_invalid_input_is_422_in_the_envelope(engine, route, body):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = client_for(engine).post(route, content=content, headers={"content-type": "application/json"})
     assert_envelope(r, 422, "invalid_request")
 
 
-@pytest.mark.parametrize("route,body,message", [
-    ("/v1/generate", {"prompt": PROMPT, "stop": ["a"] * 100}, "stop: list should have at most 4 items, not 100"),
-    ("/v1/generate", {"prompt": PROMPT, "stop": "a" * 65}, "stop: string should have at most 64 characters"),
-    ("/v1/generate", {"prompt": PROMPT, "max_new_tokens": 65}, "max_new_tokens: 65 is more than this server's cap of 64"),
-    ("/v1/generate", {"prompt": 5}, "prompt: should be a valid string"),
-    ("/v1/generate", {"prompt": PROMPT, "top_p": 0}, "top_p: should be greater than 0"),
-    ("/v1/generate", {}, "prompt: required"),
-    ("/v1/generate", [PROMPT], "body: must be a JSON object"),
-    ("/v1/generate", {"prompt": PROMPT, "unknown": 1}, "unknown: not a field this route accepts"),
-    ("/v1/completions", {"prompt": 5}, "prompt: should be a valid string or a valid list"),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100}, "max_tokens: 100 is more than this server's cap of 64"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]},
-     "messages[0].role: should be 'system', 'user' or 'assistant'"),
-])
+@pytest.mark.parametrize(
+    "route,body,message",
+    [
+        ("/v1/generate", {"prompt": PROMPT, "stop": ["a"] * 100}, "stop: list should have at most 4 items, not 100"),
+        ("/v1/generate", {"prompt": PROMPT, "stop": "a" * 65}, "stop: string should have at most 64 characters"),
+        (
+            "/v1/generate",
+            {"prompt": PROMPT, "max_new_tokens": 65},
+            "max_new_tokens: 65 is more than this server's cap of 64",
+        ),
+        ("/v1/generate", {"prompt": 5}, "prompt: should be a valid string"),
+        ("/v1/generate", {"prompt": PROMPT, "top_p": 0}, "top_p: should be greater than 0"),
+        ("/v1/generate", {}, "prompt: required"),
+        ("/v1/generate", [PROMPT], "body: must be a JSON object"),
+        ("/v1/generate", {"prompt": PROMPT, "unknown": 1}, "unknown: not a field this route accepts"),
+        ("/v1/completions", {"prompt": 5}, "prompt: should be a valid string or a valid list"),
+        (
+            "/v1/completions",
+            {"prompt": PROMPT, "max_tokens": 100},
+            "max_tokens: 100 is more than this server's cap of 64",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "robot", "content": "hi"}]},
+            "messages[0].role: should be 'system', 'user' or 'assistant'",
+        ),
+    ],
+)
 def test_invalid_input_says_which_field_and_what_is_wrong(engine, route, body, message):
     """Found from outside: 422s quoted validator internals and a memory address."""
     r = client_for(engine).post(route, json=body)
@@ -225,8 +249,7 @@ def test_malformed_json_is_422(engine):
 
 def test_rate_limit_is_429_with_retry_after(engine):
     client = client_for(engine, rate_limit="3/minute")
-    statuses = [client.post("/v1/generate", json={"prompt": PROMPT, "max_new_tokens": 1}).status_code
-                for _ in range(3)]
+    statuses = [client.post("/v1/generate", json={"prompt": PROMPT, "max_new_tokens": 1}).status_code for _ in range(3)]
     assert statuses == [200] * 3
     r = client.post("/v1/generate", json={"prompt": PROMPT, "max_new_tokens": 1})
     assert_envelope(r, 429, "rate_limited")
@@ -249,8 +272,9 @@ def test_api_key_is_required_when_configured(engine):
     body = {"prompt": PROMPT, "max_new_tokens": 1}
     assert_envelope(r := client.post("/v1/generate", json=body), 401, "unauthorized")
     assert r.headers["www-authenticate"] == "Bearer"
-    assert_envelope(client.post("/v1/generate", json=body, headers={"Authorization": "Bearer wrong"}),
-                    401, "unauthorized")
+    assert_envelope(
+        client.post("/v1/generate", json=body, headers={"Authorization": "Bearer wrong"}), 401, "unauthorized"
+    )
     assert_envelope(client.get("/v1/metrics"), 401, "unauthorized")
     assert client.post("/v1/generate", json=body, headers={"Authorization": "Bearer secret"}).status_code == 200
     assert client.get("/health").status_code == 200
@@ -264,8 +288,9 @@ def test_authentication_comes_before_reading_the_body(engine, body):
         r = client.post(route, content=body, headers={"content-type": "application/json"})
         assert_envelope(r, 401, "unauthorized")
         assert r.headers["www-authenticate"] == "Bearer"
-    r = client.post("/v1/generate", content=body, headers={"content-type": "application/json",
-                                                          "Authorization": "Bearer secret"})
+    r = client.post(
+        "/v1/generate", content=body, headers={"content-type": "application/json", "Authorization": "Bearer secret"}
+    )
     assert r.status_code in (413, 422)
 
 
@@ -297,8 +322,9 @@ def test_engine_overloaded_is_503(engine):
 
 
 def test_a_bug_is_500_without_trace_or_paths(engine, caplog):
-    client = client_for(FailingEngine(engine, RuntimeError("boom in /secret/path/engine.py")),
-                        raise_server_exceptions=False)
+    client = client_for(
+        FailingEngine(engine, RuntimeError("boom in /secret/path/engine.py")), raise_server_exceptions=False
+    )
     with caplog.at_level(logging.ERROR, "inferlab.server"):
         r = client.post("/v1/generate", json={"prompt": PROMPT})
     assert_envelope(r, 500, "internal_error")
@@ -320,6 +346,7 @@ def test_draining_refuses_new_work(engine):
 
 
 # ---- observability ---------------------------------------------------------------------------------
+
 
 def test_metrics_and_request_log(engine, caplog):
     client = client_for(engine)
@@ -360,10 +387,20 @@ async def stream_then_disconnect(app, body: dict, after_tokens: int) -> list[byt
             if len(chunks) >= after_tokens:
                 hang_up.set()
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/generate/stream", "raw_path": b"/v1/generate/stream",
-             "root_path": "", "query_string": b"", "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/generate/stream",
+        "raw_path": b"/v1/generate/stream",
+        "root_path": "",
+        "query_string": b"",
+        "client": ("127.0.0.1", 5000),
+        "server": ("testserver", 80),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+    }
     await asyncio.wait_for(app(scope, receive, send), timeout=30)
     return chunks
 

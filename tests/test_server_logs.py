@@ -1,4 +1,5 @@
 """Server logs: one JSON object per request line with server.log_format=json, the caller's X-Request-ID kept."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,14 @@ from inferlab.server.logs import JsonFormatter
 def test_request_line_as_json_keeps_the_callers_request_id(tiny_tokenizer, caplog):
     client = client_for(tiny_engine(tiny_tokenizer))
     with caplog.at_level(logging.INFO, logger="inferlab.server"):
-        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, headers={"X-Request-ID": "trace-42"})
-        bad = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3},
-                          headers={"X-Request-ID": "no spaces or newlines\tplease"})
+        r = client.post(
+            "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, headers={"X-Request-ID": "trace-42"}
+        )
+        bad = client.post(
+            "/v1/completions",
+            json={"prompt": PROMPT, "max_tokens": 3},
+            headers={"X-Request-ID": "no spaces or newlines\tplease"},
+        )
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42" and r.json()["id"] == "cmpl-trace-42"
     assert bad.headers["x-request-id"] != "no spaces or newlines\tplease"  # an id we cannot log safely is replaced
     lines = [json.loads(JsonFormatter().format(rec)) for rec in caplog.records if getattr(rec, "request", None)]

@@ -2,6 +2,7 @@
 
 One server for the module; the graceful-shutdown test stops it, so it runs last.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,14 @@ PROMPT = "Once upon a time"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    overrides = ["model=tiny-random", f"server.api_keys=[{MAIN},{BURST},{SOAK}]", "server.rate_limit=60/minute",
-                 "server.max_new_tokens_cap=1024", "server.shutdown_grace_s=20", "server.log_format=json"]
+    overrides = [
+        "model=tiny-random",
+        f"server.api_keys=[{MAIN},{BURST},{SOAK}]",
+        "server.rate_limit=60/minute",
+        "server.max_new_tokens_cap=1024",
+        "server.shutdown_grace_s=20",
+        "server.log_format=json",
+    ]
     process = ServerProcess([sys.executable, "-m", "inferlab.serve"], overrides, "127.0.0.1", 180, log)
     with process:
         yield process
@@ -45,7 +52,7 @@ def read_stream(url: str, body: dict, on_chunk=None) -> list[tuple[float, str]]:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: "):
-                arrivals.append((time.perf_counter(), line[len("data: "):]))
+                arrivals.append((time.perf_counter(), line[len("data: ") :]))
                 if on_chunk:
                     on_chunk(len(arrivals))
     return arrivals
@@ -71,9 +78,16 @@ def test_sse_chunks_arrive_as_they_are_generated(server):
     assert tokens[-1] - tokens[0] > 0.3 * decode_s > 0
 
 
-@pytest.mark.parametrize("body", [
-    {"prompt": PROMPT, "max_new_tokens": 99999}, {"prompt": ""}, {"prompt": "a" * 4097},
-    {"prompt": PROMPT, "temperature": 3}, {"prompt": PROMPT, "top_p": 0}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": PROMPT, "max_new_tokens": 99999},
+        {"prompt": ""},
+        {"prompt": "a" * 4097},
+        {"prompt": PROMPT, "temperature": 3},
+        {"prompt": PROMPT, "top_p": 0},
+    ],
+)
 def test_invalid_input_is_422(server, body):
     r = httpx.post(f"{server.url}/v1/generate", json=body, headers=auth())
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
@@ -94,22 +108,30 @@ def test_openai_client_streams_chat_and_completion(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=MAIN, max_retries=0)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     chat = client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=12)
-    stream = client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=12, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny-random", messages=messages, max_tokens=12, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens == 12
 
     completion = client.completions.create(model="tiny-random", prompt=PROMPT, max_tokens=12)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny-random", prompt=PROMPT, max_tokens=12, stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="tiny-random", prompt=PROMPT, max_tokens=12, stream=True)
+    )
     assert streamed == completion.choices[0].text and completion.usage.completion_tokens == 12
 
 
 def test_client_disconnect_after_3_tokens_frees_the_request(server):
     request_id = "disconnect-3"  # the caller's X-Request-ID is the request's id, in the header and the log
-    with httpx.stream("POST", f"{server.url}/v1/generate/stream", json={"prompt": PROMPT, "max_new_tokens": 1000},
-                      headers={**auth(), "X-Request-ID": request_id}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/generate/stream",
+        json={"prompt": PROMPT, "max_new_tokens": 1000},
+        headers={**auth(), "X-Request-ID": request_id},
+        timeout=60,
+    ) as r:
         assert r.headers["x-request-id"] == request_id
         lines = r.iter_lines()
         assert [next(line for line in lines if line.startswith("data: ")) for _ in range(3)]
@@ -122,8 +144,9 @@ def test_client_disconnect_after_3_tokens_frees_the_request(server):
 
 
 def test_soak_every_request_answered_no_leak(server):
-    result = asyncio.run(soak(server.url, [PROMPT, "The capital of France is"], clients=4, requests=12,
-                              max_new_tokens=8, api_key=SOAK))
+    result = asyncio.run(
+        soak(server.url, [PROMPT, "The capital of France is"], clients=4, requests=12, max_new_tokens=8, api_key=SOAK)
+    )
     assert result.problems(max_rss_growth_mib=64) == []
     assert result.completed + sum(result.refused.values()) == 12 and result.completed > 0
 
@@ -132,8 +155,11 @@ def test_graceful_shutdown_finishes_running_streams(server):
     """Runs last: SIGTERM while a stream runs; the stream still ends with its summary and [DONE]."""
     started = threading.Event()
     arrivals: list = []
-    reader = threading.Thread(target=lambda: arrivals.extend(
-        read_stream(server.url, {"prompt": PROMPT, "max_new_tokens": 200}, lambda n: started.set())))
+    reader = threading.Thread(
+        target=lambda: arrivals.extend(
+            read_stream(server.url, {"prompt": PROMPT, "max_new_tokens": 200}, lambda n: started.set())
+        )
+    )
     reader.start()
     assert started.wait(30)
     server.process.send_signal(signal.SIGTERM)

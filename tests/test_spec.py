@@ -1,4 +1,5 @@
 """Speculative decoding against references: greedy recomputation, exact target distributions, fresh prefills."""
+
 from __future__ import annotations
 
 import itertools
@@ -16,8 +17,15 @@ from inferlab.quant.self_draft import self_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PROMPTS = [[1, 2, 3], [200, 17, 5, 99, 42, 7], [65, 66, 67, 65, 66, 67, 65, 66], [250] * 5, list(range(30, 50)),
-           [10, 20, 10, 20, 10, 20, 30], [128, 3, 3, 3, 9]]
+PROMPTS = [
+    [1, 2, 3],
+    [200, 17, 5, 99, 42, 7],
+    [65, 66, 67, 65, 66, 67, 65, 66],
+    [250] * 5,
+    list(range(30, 50)),
+    [10, 20, 10, 20, 10, 20, 30],
+    [128, 3, 3, 3, 9],
+]
 
 
 def perturbed(model: Transformer, scale: float, seed: int) -> Transformer:
@@ -38,7 +46,7 @@ def greedy_reference(model: Transformer, prompt: list[int], n: int) -> list[int]
     for _ in range(n):
         tokens = torch.tensor([ids])
         ids.append(int(model(tokens, torch.arange(len(ids)).unsqueeze(0))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +79,7 @@ def test_eos_ends_generation(target):
     want = greedy_reference(target, PROMPTS[0], 20)
     eos = want[7]
     result = speculative_generate(target, perturbed(target, 0.03, 1), PROMPTS[0], K=4, max_new_tokens=20, eos_ids={eos})
-    assert result.finish_reason == "stop" and result.tokens == want[:want.index(eos)]
+    assert result.finish_reason == "stop" and result.tokens == want[: want.index(eos)]
 
 
 def test_lookup_continuation_prefers_longest_latest_match():
@@ -108,6 +116,7 @@ def test_rollback_leaves_no_stale_kv(target, drafter_kind):
 
 # ---- the output distribution is the target's ----------------------------------------------------
 
+
 def chi_square_pvalue(counts: dict, expected_probs: dict, n: int) -> float:
     """Pearson's test, with cells expecting fewer than 5 samples pooled into one."""
     stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
@@ -120,8 +129,11 @@ def chi_square_pvalue(counts: dict, expected_probs: dict, n: int) -> float:
     if pooled_exp > 0:
         stat, cells = stat + (pooled_obs - pooled_exp) ** 2 / pooled_exp, cells + 1
     assert sum(counts.values()) == n and set(counts) <= set(expected_probs)  # nothing outside the support
-    return float(torch.special.gammaincc(torch.tensor((cells - 1) / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor((cells - 1) / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+        )
+    )
 
 
 def toy_model(seed: int, n_layers: int = 1) -> Transformer:
@@ -151,7 +163,9 @@ def exact_sequence_probs(model: Transformer, prompt: list[int], length: int, par
 def sample_sequences(target, drafter, prompt, n_samples: int, length: int, K: int, **kw) -> dict:
     counts: dict = {}
     for seed in range(n_samples):
-        tokens = tuple(speculative_generate(target, drafter, prompt, K=K, max_new_tokens=length, seed=seed, **kw).tokens)
+        tokens = tuple(
+            speculative_generate(target, drafter, prompt, K=K, max_new_tokens=length, seed=seed, **kw).tokens
+        )
         counts[tokens] = counts.get(tokens, 0) + 1
     return counts
 
@@ -170,11 +184,15 @@ def toy_pair() -> tuple[Transformer, Transformer, dict]:
 def test_sequence_distribution_equals_target(toy_pair, drafter_kind):
     """Also with K chosen per round from the acceptance so far and drafting stopped at unsure proposals."""
     target, draft, exact = toy_pair
-    drafter = {"model": draft, "ngram": NgramDrafter(max_n=2),
-               "self-int8-adaptive": ModelDrafter(self_draft(target, "int8"), min_confidence=0.6),
-               "model-adaptive": ModelDrafter(draft, min_confidence=0.6)}[drafter_kind]
-    counts = sample_sequences(target, drafter, TOY_PROMPT, N_TOY, 3, K=2, temperature=1.0,
-                              adaptive=drafter_kind.endswith("adaptive"))
+    drafter = {
+        "model": draft,
+        "ngram": NgramDrafter(max_n=2),
+        "self-int8-adaptive": ModelDrafter(self_draft(target, "int8"), min_confidence=0.6),
+        "model-adaptive": ModelDrafter(draft, min_confidence=0.6),
+    }[drafter_kind]
+    counts = sample_sequences(
+        target, drafter, TOY_PROMPT, N_TOY, 3, K=2, temperature=1.0, adaptive=drafter_kind.endswith("adaptive")
+    )
     assert chi_square_pvalue(counts, exact, N_TOY) > 1e-3
 
 
@@ -196,8 +214,10 @@ def test_biased_rule_is_detected(toy_pair, monkeypatch, rule):
     assert chi_square_pvalue(counts, exact, N_TOY) < 1e-6
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p,draft_kind", [(0.8, 8, 1.0, "perturbed"), (1.3, 0, 0.6, "perturbed"),
-                                                              (0.8, 8, 1.0, "self-int4"), (0.8, 8, 1.0, "self-int8")])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,draft_kind",
+    [(0.8, 8, 1.0, "perturbed"), (1.3, 0, 0.6, "perturbed"), (0.8, 8, 1.0, "self-int4"), (0.8, 8, 1.0, "self-int8")],
+)
 def test_first_token_distribution_with_truncation(target, temperature, top_k, top_p, draft_kind):
     """Rejections happen on the full vocabulary of a real-sized model with top-k/top-p applied to p and q;
     spec=self: the target's own weights at int4 / int8 draft."""
@@ -209,7 +229,8 @@ def test_first_token_distribution_with_truncation(target, temperature, top_k, to
     exact = {(t,): float(p[t]) for t in torch.nonzero(p).flatten().tolist()}
     counts: dict = {}
     for seed in range(n):
-        first = speculative_generate(target, draft, prompt, K=1, max_new_tokens=2, temperature=temperature,
-                                     top_k=top_k, top_p=top_p, seed=seed).tokens[:1]
+        first = speculative_generate(
+            target, draft, prompt, K=1, max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+        ).tokens[:1]
         counts[tuple(first)] = counts.get(tuple(first), 0) + 1
     assert chi_square_pvalue(counts, exact, n) > 1e-3

@@ -1,4 +1,5 @@
 """spec=ngram|draft|self through the engine, load_engine and a trained-format draft checkpoint."""
+
 from __future__ import annotations
 
 import asyncio
@@ -77,14 +78,18 @@ def test_load_engine_spec_draft(tmp_path, monkeypatch):
         load_engine(spec="draft")
     engine = load_engine(precision="fp32")  # the draft is cut from its float weights
     draft = tiny_model(0, **{**engine.model.config.__dict__, "n_layers": 1})
-    state = {k: v for k, v in engine.model.state_dict().items() if not k.startswith("layers.") or k.startswith("layers.0.")}
+    state = {
+        k: v for k, v in engine.model.state_dict().items() if not k.startswith("layers.") or k.startswith("layers.0.")
+    }
     draft.load_state_dict(state)
     save_checkpoint(draft, engine.tokenizer, tmp_path / "drafts" / "smollm2-135m")
     spec = load_engine(precision="fp32", spec="draft", **{"spec.k": 2})
     assert spec.speculation.drafter.fused is not None or not cpu_gemv_available()  # the draft's own fused step
     prompt = "What is the capital of France?"
-    assert spec.generate(prompt, max_new_tokens=16, chat=True).token_ids == \
-        engine.generate(prompt, max_new_tokens=16, chat=True).token_ids
+    assert (
+        spec.generate(prompt, max_new_tokens=16, chat=True).token_ids
+        == engine.generate(prompt, max_new_tokens=16, chat=True).token_ids
+    )
 
 
 @pytest.mark.slow

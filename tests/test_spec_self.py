@@ -1,4 +1,5 @@
 """spec=self: the target's own weights at int4/int8 as its draft, on the fused step and the portable path."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,12 +37,15 @@ def test_draft_shares_what_it_does_not_quantize(precision):
     before = {name: t.clone() for name, t in target.state_dict().items()}
     draft = self_draft(target, precision)
     kind = Int4GroupLinear if precision == "int4" else Int8Linear
-    assert all(isinstance(block.feed_forward.w2, kind) and isinstance(block.attention.wqkv, kind)
-               for block in draft.layers)
+    assert all(
+        isinstance(block.feed_forward.w2, kind) and isinstance(block.attention.wqkv, kind) for block in draft.layers
+    )
     assert isinstance(draft.output, Int8Linear) and isinstance(draft.tok_embeddings, Int8Embedding)
     target_ptrs = {t.data_ptr() for t in target.state_dict().values()}
     for name, tensor in draft.state_dict().items():  # float tensors are the target's own, never copies
-        assert tensor.dtype != torch.float32 or tensor.data_ptr() in target_ptrs or name.endswith(("scales", "mins")), name
+        assert tensor.dtype != torch.float32 or tensor.data_ptr() in target_ptrs or name.endswith(("scales", "mins")), (
+            name
+        )
     assert draft.norm.weight is target.norm.weight and draft.rope_cos is target.rope_cos
     for name, tensor in target.state_dict().items():  # the target is left as it was
         torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
@@ -55,9 +59,14 @@ def test_int8_target_shares_its_head_with_an_int4_draft():
     assert isinstance(draft.layers[0].feed_forward.w13, Int4GroupLinear)
 
 
-@pytest.mark.parametrize("target_quant,draft_precision,fix", [("int4", "int4", "float or int8 target"),
-                                                              ("int4", "int8", "float or int8 target"),
-                                                              ("int8", "int8", "draft_precision=int4")])
+@pytest.mark.parametrize(
+    "target_quant,draft_precision,fix",
+    [
+        ("int4", "int4", "float or int8 target"),
+        ("int4", "int8", "float or int8 target"),
+        ("int8", "int8", "draft_precision=int4"),
+    ],
+)
 def test_refused_where_the_draft_reads_no_fewer_bytes(target_quant, draft_precision, fix):
     target = tiny_model(0).to(torch.bfloat16)
     quantize_model(target, target_quant, 32 if target_quant == "int4" else None)
@@ -77,8 +86,9 @@ def test_engine_greedy_equals_spec_off(tiny_tokenizer, kernels, quant, draft_pre
     common = dict(max_new_tokens=24, kernels=kernels, quant=quant, dtype=dtype)
     plain = tiny_engine(tiny_tokenizer, **common)
     for adaptive in (True, False):
-        spec = tiny_engine(tiny_tokenizer, **common, spec=spec_config("self", draft_precision=draft_precision,
-                                                                        adaptive=adaptive, k=4))
+        spec = tiny_engine(
+            tiny_tokenizer, **common, spec=spec_config("self", draft_precision=draft_precision, adaptive=adaptive, k=4)
+        )
         assert (spec.speculation.drafter.fused is not None) == (kernels == "fast")
         for prompt in PROMPTS:
             want, got = plain.generate(prompt), spec.generate(prompt)
@@ -99,8 +109,9 @@ def test_draft_cache_after_rollbacks_equals_a_fresh_prefill(tiny_tokenizer):
     engine = tiny_engine(tiny_tokenizer, kernels="fast", spec=spec_config("self", min_confidence=0.0, k=4))
     prompt = engine.tokenizer.encode(PROMPTS[1])
     params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=3)
-    session = engine.speculation.start(engine.model, prompt, params, 40, params.make_generator(torch.device("cpu")),
-                                       engine.fused)
+    session = engine.speculation.start(
+        engine.model, prompt, params, 40, params.make_generator(torch.device("cpu")), engine.fused
+    )
     while len(session.tokens) < 30:
         session.step()
     assert session.stats.accepted < session.stats.proposed

@@ -1,5 +1,6 @@
 """Training pieces against references: copied layers reproduce the target, checkpoints reload exactly
 (our loader and transformers), distillation lowers the KL it optimizes, and a seed fixes the result."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,8 +44,12 @@ def distilled(seed: int, steps: int):
     draft = draft_from_target(target, [0])
     torch.manual_seed(seed)
     batches = torch.Generator().manual_seed(seed)
-    losses = train(draft, lambda step: distill_loss(draft, target, random_windows(TOKENS, 4, 32, batches)),
-                   LoopConfig(steps=steps, lr=3e-3, **QUIET), desc="test")
+    losses = train(
+        draft,
+        lambda step: distill_loss(draft, target, random_windows(TOKENS, 4, 32, batches)),
+        LoopConfig(steps=steps, lr=3e-3, **QUIET),
+        desc="test",
+    )
     return target, draft, losses
 
 
@@ -54,7 +59,10 @@ def test_distillation_lowers_held_out_kl_and_is_reproducible():
     untrained = draft_from_target(target, [0])
     with torch.no_grad():
         assert float(distill_loss(draft, target, held_out)) < 0.9 * float(distill_loss(untrained, target, held_out))
-    assert agreement(draft, target, held_out)["expected_acceptance"] > agreement(untrained, target, held_out)["expected_acceptance"]
+    assert (
+        agreement(draft, target, held_out)["expected_acceptance"]
+        > agreement(untrained, target, held_out)["expected_acceptance"]
+    )
     _, again, _ = distilled(seed=1, steps=40)
     for a, b in zip(draft.parameters(), again.parameters()):
         assert torch.equal(a, b)
@@ -82,11 +90,16 @@ def test_scratch_tokenizer_and_models():
     assert tokenizer.backend.token_to_id(EOS) in tokenizer.eos_ids and tokenizer.vocab_size <= 300
     ids = torch.tensor(tokenizer.encode(text))
     torch.manual_seed(0)
-    model = init_model(dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64), tokenizer.vocab_size, 64,
-                       torch.device("cpu"))
+    model = init_model(
+        dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64), tokenizer.vocab_size, 64, torch.device("cpu")
+    )
     batches = torch.Generator().manual_seed(0)
-    losses = train(model, lambda step: lm_loss(model, random_windows(ids, 8, 16, batches)),
-                   LoopConfig(steps=30, lr=1e-2, **QUIET), desc="test")
+    losses = train(
+        model,
+        lambda step: lm_loss(model, random_windows(ids, 8, 16, batches)),
+        LoopConfig(steps=30, lr=1e-2, **QUIET),
+        desc="test",
+    )
     assert losses[-1] < 0.5 * losses[0]
 
 
@@ -98,15 +111,32 @@ def test_inferlab_train_scratch_pair_serves_spec_draft(tmp_path):
 
     from inferlab.api import load_engine
 
-    tiny = ("scratch.vocab_size=400 scratch.seq_len=32 scratch.batch_size=4 scratch.max_seq_len=128 "
-            "scratch.target.dim=32 scratch.target.n_layers=2 scratch.target.hidden_dim=64 "
-            "scratch.target_loop.steps=3 scratch.draft_loop.steps=2 scratch.target_loop.warmup=1 "
-            "scratch.draft_loop.warmup=1 scratch.draft.dim=16 scratch.draft.hidden_dim=32").split()
-    done = subprocess.run([sys.executable, "-m", "inferlab.train", "task=scratch", f"out={tmp_path}", "progress=false",
-                           f"hydra.run.dir={tmp_path}/run", *tiny], capture_output=True, text=True, timeout=600)
+    tiny = (
+        "scratch.vocab_size=400 scratch.seq_len=32 scratch.batch_size=4 scratch.max_seq_len=128 "
+        "scratch.target.dim=32 scratch.target.n_layers=2 scratch.target.hidden_dim=64 "
+        "scratch.target_loop.steps=3 scratch.draft_loop.steps=2 scratch.target_loop.warmup=1 "
+        "scratch.draft_loop.warmup=1 scratch.draft.dim=16 scratch.draft.hidden_dim=32"
+    ).split()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "inferlab.train",
+            "task=scratch",
+            f"out={tmp_path}",
+            "progress=false",
+            f"hydra.run.dir={tmp_path}/run",
+            *tiny,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "target" / "config.json").is_file() and (tmp_path / "draft" / "config.json").is_file()
     common = {"model.path": str(tmp_path / "target"), "cache.max_seq_len": 128}
     plain = load_engine(model="local", **common).generate("To be, or not", max_new_tokens=12)
-    spec = load_engine(model="local", spec="draft", **common, **{"spec.draft_model": str(tmp_path / "draft"), "spec.k": 3})
+    spec = load_engine(
+        model="local", spec="draft", **common, **{"spec.draft_model": str(tmp_path / "draft"), "spec.k": 3}
+    )
     assert spec.generate("To be, or not", max_new_tokens=12).token_ids == plain.token_ids

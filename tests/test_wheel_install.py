@@ -1,5 +1,6 @@
 """`pip install .` works anywhere: the wheel, installed into a fresh venv, generates from another directory,
 finding conf/ inside the package and building the kernels into $INFERLAB_CACHE."""
+
 from __future__ import annotations
 
 import os
@@ -34,13 +35,34 @@ def installed(tmp_path_factory) -> Path:
     for name in ("src", "conf"):  # src/inferlab/conf stays the link to conf/ it is in the repository
         shutil.copytree(REPO / name, source / name, symlinks=True, ignore=skip)
     shutil.copy2(REPO / "pyproject.toml", source)
-    run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-        "--wheel-dir", tmp / "dist", source)
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "--wheel-dir",
+        tmp / "dist",
+        source,
+    )
     venv = tmp / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", venv)
     python = venv / "bin" / "python"
-    run(sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps", "--no-index",
-        *(tmp / "dist").glob("inferlab-*.whl"))
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        python,
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-index",
+        *(tmp / "dist").glob("inferlab-*.whl"),
+    )
     site = Path(run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
     (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return venv
@@ -54,14 +76,17 @@ def clean_env(home: Path, **extra: Path) -> dict[str, str]:
 
 
 def test_the_installed_package_is_the_wheel_with_conf_inside(installed, tmp_path):
-    probe = ("import inferlab.paths as p; print(p.__file__); print(p.conf_dir()); print(p.source_tree()); "
-             "print(p.cache_dir())")
+    probe = (
+        "import inferlab.paths as p; print(p.__file__); print(p.conf_dir()); print(p.source_tree()); "
+        "print(p.cache_dir())"
+    )
     python = installed / "bin" / "python"
     file, conf, tree, cache = run(python, "-c", probe, cwd=tmp_path, env=clean_env(tmp_path)).stdout.split()
     package = Path(file).parent
     assert package.is_relative_to(installed) and Path(conf) == package / "conf" and tree == "None"
-    assert all((package / f).is_file() for f in ("conf/generate.yaml", "conf/model/tiny-random.yaml",
-                                                  "kernels/csrc/gemv.h"))
+    assert all(
+        (package / f).is_file() for f in ("conf/generate.yaml", "conf/model/tiny-random.yaml", "kernels/csrc/gemv.h")
+    )
     if sys.platform.startswith("linux"):
         assert Path(cache) == tmp_path / ".cache" / "inferlab"  # the user's cache dir by default
     env = clean_env(tmp_path, XDG_CACHE_HOME=tmp_path / "xdg", INFERLAB_CACHE=tmp_path / "mine")
@@ -71,8 +96,15 @@ def test_the_installed_package_is_the_wheel_with_conf_inside(installed, tmp_path
 def test_inferlab_generate_runs_from_any_directory(installed, tmp_path):
     cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
     elsewhere.mkdir()
-    done = run(installed / "bin" / "inferlab-generate", "model=tiny-random", "prompt=Once upon a time",
-               "max_new_tokens=4", "temperature=0", cwd=elsewhere, env=clean_env(tmp_path, INFERLAB_CACHE=cache))
+    done = run(
+        installed / "bin" / "inferlab-generate",
+        "model=tiny-random",
+        "prompt=Once upon a time",
+        "max_new_tokens=4",
+        "temperature=0",
+        cwd=elsewhere,
+        env=clean_env(tmp_path, INFERLAB_CACHE=cache),
+    )
     assert done.stdout.strip() and "generated 4 tok" in done.stderr
     assert not list(elsewhere.iterdir()) and not (tmp_path / ".cache").exists()  # only stdout, stderr and the cache
     if cpu_gemv_available():  # the kernels built from the wheel's own sources, into $INFERLAB_CACHE

@@ -3,6 +3,7 @@
 The names below load on first use (PEP 562), so importing one layer (`inferlab.model`, `inferlab.quant`)
 does not import the engine above it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
 
 _HOMES = {
     "load_engine": "inferlab.api",
-    **dict.fromkeys(("Completion", "GenerationRequest", "InferenceEngine", "StreamEvent", "Timings"),
-                    "inferlab.engine.engine"),
+    **dict.fromkeys(
+        ("Completion", "GenerationRequest", "InferenceEngine", "StreamEvent", "Timings"), "inferlab.engine.engine"
+    ),
     **dict.fromkeys(("KVCache", "compute_kv_cache_bytes"), "inferlab.engine.kv_cache"),
     "SamplingParams": "inferlab.engine.sampling",
     **dict.fromkeys(("SpecResult", "SpecStats", "speculative_generate"), "inferlab.engine.speculative"),

@@ -1,4 +1,5 @@
 """The one-line way in: `load_engine(model=..., precision=..., **overrides)` composes conf/ and builds the engine."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -36,8 +37,14 @@ def compose(config_name: str = "engine", overrides: list[str] | None = None) -> 
         raise InvalidRequestError(_first_line(str(e))) from e
 
 
-def load_engine(model: str = "smollm2-135m", precision: str = "auto", cache: str = "paged", spec: str = "off",
-                device: str = "auto", **overrides: Any) -> InferenceEngine:
+def load_engine(
+    model: str = "smollm2-135m",
+    precision: str = "auto",
+    cache: str = "paged",
+    spec: str = "off",
+    device: str = "auto",
+    **overrides: Any,
+) -> InferenceEngine:
     """`overrides` take Hydra dotted keys: load_engine(cache="contiguous", **{"cache.slots": 2})."""
     args = [f"model={model}", f"precision={precision}", f"cache={cache}", f"spec={spec}", f"device={device}"]
     args += [f"{k}={_override_value(v)}" for k, v in overrides.items()]
@@ -80,19 +87,38 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
         quantize_model(loaded.model, cfg.precision.quant, cfg.precision.get("group_size"), loaded.gguf_path)
     # the drafts before the kernels: a self draft is built from the target's own layers, and kernels and
     # huge pages are then chosen for both at once, so the tensors they share stay shared
-    speculation = build_speculation(OmegaConf.to_container(cfg.spec, resolve=True), cfg.model.name, loaded.model,
-                                    dtype, device, loaded.gguf_path)
+    speculation = build_speculation(
+        OmegaConf.to_container(cfg.spec, resolve=True), cfg.model.name, loaded.model, dtype, device, loaded.gguf_path
+    )
     drafts = speculation.drafter.models() if speculation else []
-    select_kernels(nn.ModuleList([loaded.model, *drafts]), device, dtype, cfg.device.kernels,
-                   cfg.device.dense_copy_mb)
-    defaults = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                              top_k=cfg.top_k, seed=cfg.seed, stop=list(cfg.stop))
-    kv_blocks = blocks_for_budget(loaded.config, cfg.cache.kv_budget_mb, cfg.cache.block_size, dtype) \
-        if cfg.cache.kv_budget_mb else 0
-    config = EngineConfig(device=device, dtype=dtype, precision=precision, cache_mode=cfg.cache.mode,
-                          max_seq_len=loaded.config.max_seq_len, slots=cfg.cache.slots, defaults=defaults,
-                          block_size=cfg.cache.block_size, kv_blocks=kv_blocks, prefix_cache=cfg.cache.prefix,
-                          scheduler=SchedulerConfig(**cfg.scheduler), kernels=cfg.device.kernels)
+    select_kernels(nn.ModuleList([loaded.model, *drafts]), device, dtype, cfg.device.kernels, cfg.device.dense_copy_mb)
+    defaults = SamplingParams(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        seed=cfg.seed,
+        stop=list(cfg.stop),
+    )
+    kv_blocks = (
+        blocks_for_budget(loaded.config, cfg.cache.kv_budget_mb, cfg.cache.block_size, dtype)
+        if cfg.cache.kv_budget_mb
+        else 0
+    )
+    config = EngineConfig(
+        device=device,
+        dtype=dtype,
+        precision=precision,
+        cache_mode=cfg.cache.mode,
+        max_seq_len=loaded.config.max_seq_len,
+        slots=cfg.cache.slots,
+        defaults=defaults,
+        block_size=cfg.cache.block_size,
+        kv_blocks=kv_blocks,
+        prefix_cache=cfg.cache.prefix,
+        scheduler=SchedulerConfig(**cfg.scheduler),
+        kernels=cfg.device.kernels,
+    )
     return InferenceEngine(loaded, config, speculation)
 
 

@@ -1,4 +1,5 @@
 """What every Hydra console script shares: the conf/ location and one-line errors instead of tracebacks."""
+
 from __future__ import annotations
 
 import functools

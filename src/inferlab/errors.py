@@ -50,6 +50,7 @@ class EngineFailedError(InferlabError):
 
 # ---- raised at the HTTP edge (server/guards.py maps each code to its status) ----------------------
 
+
 class UnauthorizedError(InferlabError):
     code = "unauthorized"
 

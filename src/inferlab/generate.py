@@ -1,4 +1,5 @@
 """inferlab-generate prompt="...": stream one completion to stdout; TTFT, TPOT and tokens/s to stderr."""
+
 from __future__ import annotations
 
 import sys
@@ -20,10 +21,12 @@ def main(cfg: DictConfig) -> None:
         if event.timings is not None:
             t = event.timings
             sys.stdout.write("\n")
-            print(f"[{engine.loaded.source} {cfg.precision.name} cache={cfg.cache.mode} on {engine.config.device}] "
-                  f"prompt {t.prompt_tokens} tok, generated {t.completion_tokens} tok ({event.finish_reason}) | "
-                  f"TTFT {t.ttft_ms:.1f} ms | TPOT {t.tpot_ms:.1f} ms | {t.tokens_per_sec:.1f} tok/s",
-                  file=sys.stderr)
+            print(
+                f"[{engine.loaded.source} {cfg.precision.name} cache={cfg.cache.mode} on {engine.config.device}] "
+                f"prompt {t.prompt_tokens} tok, generated {t.completion_tokens} tok ({event.finish_reason}) | "
+                f"TTFT {t.ttft_ms:.1f} ms | TPOT {t.tpot_ms:.1f} ms | {t.tokens_per_sec:.1f} tok/s",
+                file=sys.stderr,
+            )
 
 
 if __name__ == "__main__":

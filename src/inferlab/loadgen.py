@@ -1,4 +1,5 @@
 """python -m inferlab.loadgen: the same as inferlab-loadgen."""
+
 from inferlab.bench.loadgen import main
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Where inferlab finds its configs and keeps what it builds or derives once: tokenized corpora, drafts,
 kernels, peer models. The same from any working directory, installed from a wheel or run from the repository.
 Imports nothing heavy: the report and the load generator need these paths too."""
+
 from __future__ import annotations
 
 import os

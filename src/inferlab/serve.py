@@ -1,4 +1,5 @@
 """inferlab-serve model=smollm2-135m precision=int8 server.port=8000: the streaming HTTP server."""
+
 from __future__ import annotations
 
 import logging
@@ -26,15 +27,24 @@ class GracefulServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         self.guards.draining = True
-        log.info("draining: new requests are refused, running streams get %.0f s to finish",
-                 self.config.timeout_graceful_shutdown)
+        log.info(
+            "draining: new requests are refused, running streams get %.0f s to finish",
+            self.config.timeout_graceful_shutdown,
+        )
         await super().shutdown(sockets)
 
 
 def serve(app: FastAPI, settings: ServerSettings) -> None:
     # log_config=None: uvicorn's own lines go through the root handler, in server.log_format too
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_grace_s)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+    )
     GracefulServer(config, app.state.guards).run()
 
 
@@ -43,8 +53,7 @@ def main(cfg: DictConfig) -> None:
     settings = ServerSettings.from_config(cfg.server)
     configure_logging(settings.log_level, settings.log_format)
     engine = engine_from_config(cfg)
-    log.info("model %s (%s) on %s: %s", cfg.model.name, engine.loaded.source, engine.config.device,
-             engine.describe())
+    log.info("model %s (%s) on %s: %s", cfg.model.name, engine.loaded.source, engine.config.device, engine.describe())
     serve(create_app(engine, settings, str(cfg.model.name)), settings)
 
 

@@ -1,6 +1,7 @@
 """Hydra's basic sweeper, except that a job this checkout cannot compose yet (a config option or key that
 is not there, e.g. a sweep value another branch adds) is recorded as an "unavailable" result.json in the
 sweep's `unavailable/` folder instead of aborting the whole multirun."""
+
 from __future__ import annotations
 
 import sys
@@ -33,7 +34,9 @@ class InferlabSweeper(BasicSweeper):
         except (MissingConfigException, ConfigCompositionException) as e:
             first = (str(e).strip() or type(e).__name__).splitlines()[0]
             cause = e.__cause__ or e.__context__
-            return first + (" (no such config key)" if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) else "")
+            return first + (
+                " (no such config key)" if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) else ""
+            )
         return None
 
     def _record(self, missing: list[tuple[list[str], str | None]]) -> None:

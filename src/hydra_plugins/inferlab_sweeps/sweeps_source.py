@@ -5,6 +5,7 @@ after its folder. This config source serves `sweeps/NAME.yaml` as `sweep/NAME`; 
 the search path (`hydra.searchpath: [inferlab-sweeps://]`), so `inferlab-bench sweep=NAME` selects a sweep
 the way any other group option is selected.
 """
+
 from __future__ import annotations
 
 import builtins

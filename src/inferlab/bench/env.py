@@ -1,4 +1,5 @@
 """The environment a result was measured in: hardware, software, commit, time. Every result.json carries it."""
+
 from __future__ import annotations
 
 import os
@@ -46,7 +47,9 @@ def _cpu_model() -> str:
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=source_tree() or Path.cwd(), capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", *args], cwd=source_tree() or Path.cwd(), capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None

@@ -10,6 +10,7 @@ Two tasks over held-out Shakespeare (train/corpus.py's validation documents):
 
 Needs `pip install -e '.[eval]'` (lm-eval[api]).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -44,7 +45,7 @@ def held_out_shakespeare(documents: int, chars: int, pairs: int) -> HeldOut:
     plays = [text for _, text in split_documents("shakespeare", "val")]
     if len(plays) <= documents:
         raise InvalidRequestError(f"the held-out split has {len(plays)} documents; asked for {documents} + 1")
-    texts = [play[:play.rfind("\n", 0, chars) + 1 or chars].strip() for play in plays[:documents]]
+    texts = [play[: play.rfind("\n", 0, chars) + 1 or chars].strip() for play in plays[:documents]]
     lines = [line.strip() for line in plays[documents].splitlines() if len(line.strip()) > 20]
     return HeldOut(texts, [(lines[i], "\n" + lines[i + 1]) for i in range(0, 2 * pairs, 2)][:pairs])
 
@@ -60,36 +61,66 @@ def write_tasks(folder: Path, held_out: HeldOut) -> Path:
     (folder / "rolling.yaml").write_text(
         f"task: {ROLLING}\n{common}dataset_kwargs:\n  data_files: {{test: {folder / 'rolling.jsonl'}}}\n"
         "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
-        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
+    )
     (folder / "next_line.yaml").write_text(
         f"task: {NEXT_LINE}\n{common}dataset_kwargs:\n  data_files: {{test: {folder / 'next_line.jsonl'}}}\n"
         "output_type: loglikelihood\ndoc_to_text: '{{context}}'\ndoc_to_target: '{{continuation}}'\n"
         "target_delimiter: ''\n"
         "metric_list:\n  - {metric: perplexity, aggregation: perplexity, higher_is_better: false}\n"
-        "  - {metric: acc, aggregation: mean, higher_is_better: true}\n")
+        "  - {metric: acc, aggregation: mean, higher_is_better: true}\n"
+    )
     return folder
 
 
-def run_lm_eval(completions_url: str, model_name: str, tokenizer: Tokenizer, folder: Path, max_length: int,
-                prefix_token_id: int, batch_size: int) -> dict[str, dict[str, Any]]:
+def run_lm_eval(
+    completions_url: str,
+    model_name: str,
+    tokenizer: Tokenizer,
+    folder: Path,
+    max_length: int,
+    prefix_token_id: int,
+    batch_size: int,
+) -> dict[str, dict[str, Any]]:
     """lm-eval's results per task (metric names without the filter suffix), run in this process offline."""
     if importlib.util.find_spec("lm_eval") is None:
         raise ModuleNotFoundError(f"lm-eval is not installed; run `{INSTALL}`")
-    os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                       "HF_DATASETS_CACHE": str(folder / "hf-datasets")})
+    os.environ.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_DATASETS_CACHE": str(folder / "hf-datasets"),
+        }
+    )
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     tokenizer_dir = tokenizer.save_hf_dir(folder / "tokenizer", max_length)
-    model_args = {"model": model_name, "base_url": completions_url, "tokenizer_backend": "huggingface",
-                  "tokenizer": str(tokenizer_dir), "tokenized_requests": True, "max_length": max_length,
-                  "custom_prefix_token_id": prefix_token_id, "num_concurrent": 1, "max_retries": 1,
-                  "batch_size": batch_size}
-    out = lm_eval.simple_evaluate(model="local-completions", model_args=model_args, tasks=[ROLLING, NEXT_LINE],
-                                  task_manager=TaskManager(include_path=str(folder), include_defaults=False),
-                                  log_samples=False, bootstrap_iters=0, random_seed=0)
-    return {task: {k.split(",")[0]: v for k, v in metrics.items() if "," in k}
-            for task, metrics in out["results"].items()}
+    model_args = {
+        "model": model_name,
+        "base_url": completions_url,
+        "tokenizer_backend": "huggingface",
+        "tokenizer": str(tokenizer_dir),
+        "tokenized_requests": True,
+        "max_length": max_length,
+        "custom_prefix_token_id": prefix_token_id,
+        "num_concurrent": 1,
+        "max_retries": 1,
+        "batch_size": batch_size,
+    }
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=model_args,
+        tasks=[ROLLING, NEXT_LINE],
+        task_manager=TaskManager(include_path=str(folder), include_defaults=False),
+        log_samples=False,
+        bootstrap_iters=0,
+        random_seed=0,
+    )
+    return {
+        task: {k.split(",")[0]: v for k, v in metrics.items() if "," in k} for task, metrics in out["results"].items()
+    }
 
 
 def total_loglikelihood(bits_per_byte: float, total_bytes: int) -> float:

@@ -4,6 +4,7 @@ A target is anything with `async send(prompt, record)` that fills the record's c
 `HTTPTarget` speaks SSE to an OpenAI-compatible (or inferlab) server over httpx; the harness also drives the
 in-process engine the same way (bench/targets.py), so both are measured by the same clock and metrics.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -86,12 +87,18 @@ class HTTPTarget:
     def __post_init__(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.client = httpx.AsyncClient(base_url=self.base_url.rstrip("/"), headers=headers, limits=limits,
-                                        timeout=httpx.Timeout(self.timeout_s))
+        self.client = httpx.AsyncClient(
+            base_url=self.base_url.rstrip("/"), headers=headers, limits=limits, timeout=httpx.Timeout(self.timeout_s)
+        )
 
     def body(self, prompt: Prompt) -> tuple[str, dict[str, Any]]:
-        common = {"max_tokens": self.max_tokens, "temperature": self.temperature, "stream": True,
-                  "stream_options": {"include_usage": True}, **({"model": self.model} if self.model else {})}
+        common = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **({"model": self.model} if self.model else {}),
+        }
         if self.api == "chat":
             messages = prompt.messages or [{"role": "user", "content": prompt.text}]
             return "/v1/chat/completions", {"messages": messages, **common}
@@ -147,9 +154,11 @@ def metrics_table(metrics: dict[str, float]) -> str:
     for name in ("ttft", "tpot", "itl", "e2e"):
         lines.append(f"| {name.upper()} | " + " | ".join(f"{metrics[f'{s}_{name}_ms']:.1f}" for s in stats) + " |")
     lines.append("")
-    lines.append(f"{metrics['completed']:.0f} completed, {metrics['failed']:.0f} failed in {metrics['duration_s']:.2f} s: "
-                 f"{metrics['request_throughput']:.2f} req/s, {metrics['output_throughput']:.1f} output tok/s"
-                 + (f", goodput {metrics['request_goodput']:.2f} req/s" if "request_goodput" in metrics else ""))
+    lines.append(
+        f"{metrics['completed']:.0f} completed, {metrics['failed']:.0f} failed in {metrics['duration_s']:.2f} s: "
+        f"{metrics['request_throughput']:.2f} req/s, {metrics['output_throughput']:.1f} output tok/s"
+        + (f", goodput {metrics['request_goodput']:.2f} req/s" if "request_goodput" in metrics else "")
+    )
     return "\n".join(lines)
 
 
@@ -158,9 +167,11 @@ def slo_from(cfg: dict[str, Any] | None) -> SLO | None:
     return SLO(**values) if values else None
 
 
-def measure(target: Target, prompts: list[Prompt], spec: LoadSpec, slo: SLO | None = None,
-            warmup: int = 0) -> dict[str, float]:
+def measure(
+    target: Target, prompts: list[Prompt], spec: LoadSpec, slo: SLO | None = None, warmup: int = 0
+) -> dict[str, float]:
     """Run the load (after `warmup` untimed requests, one at a time) and summarize it; blocking."""
+
     async def go() -> tuple[list[RequestRecord], float]:
         try:
             await run_load(target, prompts[:warmup], LoadSpec(1))
@@ -182,8 +193,15 @@ def main(cfg: DictConfig) -> None:
     """inferlab-loadgen url=http://HOST:PORT: drive any OpenAI-compatible server, print and save the metrics."""
     load = OmegaConf.to_container(cfg.load, resolve=True)
     prompts = make_prompts(load_tokenizer(OmegaConf.to_container(cfg.model, resolve=True)), load, seed=cfg.seed or 0)
-    target = HTTPTarget(cfg.url, cfg.api, cfg.served_model, int(load["output_tokens"]), float(cfg.temperature),
-                        cfg.api_key, float(cfg.timeout_s))
+    target = HTTPTarget(
+        cfg.url,
+        cfg.api,
+        cfg.served_model,
+        int(load["output_tokens"]),
+        float(cfg.temperature),
+        cfg.api_key,
+        float(cfg.timeout_s),
+    )
     spec = LoadSpec(int(load["concurrency"]), float(load["rate"]), cfg.seed or 0, progress=True)
     try:
         metrics = measure(target, prompts, spec, slo_from(OmegaConf.to_container(cfg.slo)))

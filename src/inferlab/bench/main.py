@@ -5,6 +5,7 @@ study and fixed choices as defaults overrides, what varies as `hydra.sweeper.par
 sweeper. Every job catches its own failure and records it, so one bad job never stops a sweep; a job this
 checkout cannot compose yet is recorded as "unavailable" by the sweeper.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,9 +49,16 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         (out / "error.log").write_text(traceback.format_exc())
     choices = {k: v for k, v in hydra.runtime.choices.items() if not k.startswith("hydra")}
     result = {
-        "study": cfg.study.name, "sweep": choices.get("sweep"), "status": status, "error": error,
-        "seconds": time.perf_counter() - start, "overrides": list(hydra.overrides.task), "choices": choices,
-        "config": OmegaConf.to_container(cfg, resolve=True), "env": environment(), "rows": rows,
+        "study": cfg.study.name,
+        "sweep": choices.get("sweep"),
+        "status": status,
+        "error": error,
+        "seconds": time.perf_counter() - start,
+        "overrides": list(hydra.overrides.task),
+        "choices": choices,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "env": environment(),
+        "rows": rows,
     }
     write_result(out, result)
     return result

@@ -5,6 +5,7 @@ Per request: TTFT = sent -> first token; E2E = sent -> last chunk; TPOT = (E2E -
 all requests. Throughputs divide by the wall time of the whole run. Percentiles use numpy's linear
 interpolation, as vLLM does.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -4,6 +4,7 @@ Each `ServerSpec` is a command line, its environment, the path that says it is r
 a request's `model` field. llama.cpp serves the GGUF file itself; vLLM needs an HF checkpoint, written
 once from the GGUF (`hf_checkpoint`) with transformers' own GGUF reader.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,14 +34,23 @@ class ServerSpec:
     def launch(self, startup_timeout_s: float, log_dir: Path) -> LaunchedServer:
         port = free_port(HOST)
         argv = [a.format(host=HOST, port=port) for a in self.argv]
-        return LaunchedServer(argv, HOST, port, startup_timeout_s, log_dir / f"{self.name}.log", self.env,
-                              self.health_path)
+        return LaunchedServer(
+            argv, HOST, port, startup_timeout_s, log_dir / f"{self.name}.log", self.env, self.health_path
+        )
 
 
 def inferlab_server(model: str, overrides: list[str]) -> ServerSpec:
     """inferlab-serve with its defaults (precision, cache, scheduler) for `model`, plus `overrides`."""
-    argv = [sys.executable, "-m", "inferlab.serve", f"model={model}", "server.rate_limit=1000000/minute",
-            *overrides, "server.host={host}", "server.port={port}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "inferlab.serve",
+        f"model={model}",
+        "server.rate_limit=1000000/minute",
+        *overrides,
+        "server.host={host}",
+        "server.port={port}",
+    ]
     return ServerSpec("inferlab", argv, "defaults (precision=auto)")
 
 
@@ -48,10 +58,26 @@ def llama_cpp_server(gguf: Path, threads: int, n_ctx: int) -> ServerSpec:
     """llama-cpp-python's OpenAI-compatible server on the GGUF file itself."""
     llama_cpp = require("llama_cpp", "the llama.cpp peer (pip install -e .[peers])")
     require("llama_cpp.server.app", "llama-cpp-python's server (pip install -e .[peers])")
-    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "{host}", "--port", "{port}",
-            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx)]
-    return ServerSpec("llama.cpp", argv, f"{gguf.name} (llama-cpp-python {llama_cpp.__version__})",
-                      health_path="/v1/models")
+    argv = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--n_threads",
+        str(threads),
+        "--n_threads_batch",
+        str(threads),
+        "--n_ctx",
+        str(n_ctx),
+    ]
+    return ServerSpec(
+        "llama.cpp", argv, f"{gguf.name} (llama-cpp-python {llama_cpp.__version__})", health_path="/v1/models"
+    )
 
 
 def vllm_server(python: str, gguf: Path, threads: int, kv_cache_gib: int, max_model_len: int) -> ServerSpec:
@@ -63,12 +89,27 @@ def vllm_server(python: str, gguf: Path, threads: int, kv_cache_gib: int, max_mo
     if probe.returncode != 0:
         raise StudyUnavailable(f"{python} cannot import vllm: {probe.stderr.strip().splitlines()[-1:]}")
     checkpoint = hf_checkpoint(gguf)
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-            "--served-model-name", gguf.stem, "--host", "{host}", "--port", "{port}", "--dtype", "bfloat16",
-            "--max-model-len", str(max_model_len)]
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(checkpoint),
+        "--served-model-name",
+        gguf.stem,
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(max_model_len),
+    ]
     env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
-    return ServerSpec("vllm", argv, f"{gguf.name} as bf16 safetensors (vLLM {probe.stdout.strip()})", env,
-                      model=gguf.stem)
+    return ServerSpec(
+        "vllm", argv, f"{gguf.name} as bf16 safetensors (vLLM {probe.stdout.strip()})", env, model=gguf.stem
+    )
 
 
 def hf_checkpoint(gguf: Path) -> Path:
@@ -83,8 +124,9 @@ def hf_checkpoint(gguf: Path) -> Path:
     transformers = require("transformers", "the HF export for vLLM (pip install -e .[peers])")
     import torch
 
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                               dtype=torch.bfloat16)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
+    )
     config = loaded.config
     del config.quantization_config
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

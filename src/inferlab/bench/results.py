@@ -1,4 +1,5 @@
 """result.json: what every bench job writes (the resolved config, the environment, the rows or why not)."""
+
 from __future__ import annotations
 
 import json
@@ -19,5 +20,15 @@ def unavailable_result(study: str, sweep: str | None, overrides: list[str], reas
     """The record of a job that could not even be composed here: no config, no rows, the reason."""
     from inferlab.bench.env import environment
 
-    return {"study": study, "sweep": sweep, "status": "unavailable", "error": reason, "seconds": 0.0,
-            "overrides": list(overrides), "choices": {}, "config": {}, "env": environment(), "rows": []}
+    return {
+        "study": study,
+        "sweep": sweep,
+        "status": "unavailable",
+        "error": reason,
+        "seconds": 0.0,
+        "overrides": list(overrides),
+        "choices": {},
+        "config": {},
+        "env": environment(),
+        "rows": [],
+    }

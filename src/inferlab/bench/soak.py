@@ -5,6 +5,7 @@ and code from server/guards.py's table that a client is told to retry: 429, 503,
 5xx, no stream cut short, no transport error); afterwards no request running and no KV block held; and
 the server's RSS after the run within `max_rss_growth_mib` of its RSS after a warm-up round.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,8 +41,10 @@ class SoakResult:
         if self.completed + sum(self.refused.values()) + len(self.undocumented) != self.requests:
             found.append("some requests were never answered")
         if self.requests_running_end or self.kv_blocks_used_end:
-            found.append(f"leak: {self.requests_running_end} requests running, {self.kv_blocks_used_end} KV blocks "
-                         "held after the run")
+            found.append(
+                f"leak: {self.requests_running_end} requests running, {self.kv_blocks_used_end} KV blocks "
+                "held after the run"
+            )
         if self.rss_end_mib - self.rss_start_mib > max_rss_growth_mib:
             found.append(f"server RSS grew {self.rss_end_mib - self.rss_start_mib:.0f} MiB (> {max_rss_growth_mib:g})")
         return found
@@ -53,8 +56,15 @@ class SoakResult:
         return row | {"undocumented": len(self.undocumented), "passed": not problems, "problems": "; ".join(problems)}
 
 
-async def soak(url: str, prompts: list[str], clients: int, requests: int, max_new_tokens: int,
-               api_key: str | None = None, request_timeout_s: float = 120.0) -> SoakResult:
+async def soak(
+    url: str,
+    prompts: list[str],
+    clients: int,
+    requests: int,
+    max_new_tokens: int,
+    api_key: str | None = None,
+    request_timeout_s: float = 120.0,
+) -> SoakResult:
     """Run the soak against `url`; prompts are used round-robin. A warm-up round of `clients` requests first."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = SoakResult(requests, clients)
@@ -91,7 +101,7 @@ async def soak(url: str, prompts: list[str], clients: int, requests: int, max_ne
 
 
 async def _one(client: httpx.AsyncClient, prompt: str, max_new_tokens: int) -> str:
-    """"completed", a documented refusal's code, or a one-line description of what went wrong."""
+    """ "completed", a documented refusal's code, or a one-line description of what went wrong."""
     body = {"prompt": prompt, "max_new_tokens": max_new_tokens}
     try:
         async with client.stream("POST", "/v1/generate/stream", json=body) as response:
@@ -101,7 +111,7 @@ async def _one(client: httpx.AsyncClient, prompt: str, max_new_tokens: int) -> s
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     done = True
                     continue

@@ -1,4 +1,5 @@
 """What a load study drives: the engine in this process, or a real `inferlab-serve` subprocess over HTTP."""
+
 from __future__ import annotations
 
 import os
@@ -52,18 +53,28 @@ class ServedTarget(HTTPTarget):
 
 
 @contextmanager
-def open_target(cfg: DictConfig, choices: dict[str, str], task_overrides: list[str], log_dir: Path,
-                output_tokens: int) -> Iterator[EngineTarget | ServedTarget]:
+def open_target(
+    cfg: DictConfig, choices: dict[str, str], task_overrides: list[str], log_dir: Path, output_tokens: int
+) -> Iterator[EngineTarget | ServedTarget]:
     """The job's target; `choices` and `task_overrides` (Hydra's) say how to launch an identical server."""
     if cfg.target.kind == "engine":
         engine = engine_from_config(cfg)
         yield EngineTarget(engine, engine.sampling_params(max_new_tokens=output_tokens))
         return
     overrides = [f"{g}={choices[g]}" for g in ENGINE_GROUPS if g in choices]
-    overrides += [o for o in task_overrides if o.lstrip("+~").split("=")[0].split(".")[0] in ENGINE_KEYS + ("server",)
-                  and o.split("=")[0] not in ENGINE_GROUPS]
-    with ServerProcess(list(cfg.target.command), [*overrides, *cfg.target.overrides], cfg.target.host,
-                       float(cfg.target.startup_timeout_s), log_dir / "server.log") as url:
+    overrides += [
+        o
+        for o in task_overrides
+        if o.lstrip("+~").split("=")[0].split(".")[0] in ENGINE_KEYS + ("server",)
+        and o.split("=")[0] not in ENGINE_GROUPS
+    ]
+    with ServerProcess(
+        list(cfg.target.command),
+        [*overrides, *cfg.target.overrides],
+        cfg.target.host,
+        float(cfg.target.startup_timeout_s),
+        log_dir / "server.log",
+    ) as url:
         target = ServedTarget(url, cfg.target.api, max_tokens=output_tokens, temperature=float(cfg.temperature))
         yield target
 
@@ -78,8 +89,16 @@ class LaunchedServer:
     """Start `argv` (a server listening on `port`, with `env` added to this process's environment); wait
     until `health_path` answers 200; stop it on exit."""
 
-    def __init__(self, argv: list[str], host: str, port: int, startup_timeout_s: float, log_path: Path,
-                 env: dict[str, str] | None = None, health_path: str = "/health") -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        host: str,
+        port: int,
+        startup_timeout_s: float,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        health_path: str = "/health",
+    ) -> None:
         self.host, self.port, self.argv, self.env = host, port, argv, env or {}
         self.url = f"http://{host}:{port}"
         self.timeout, self.log_path, self.health_path = startup_timeout_s, log_path, health_path
@@ -88,8 +107,9 @@ class LaunchedServer:
     def __enter__(self) -> LaunchedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env={**os.environ, **self.env})
+            self.process = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **self.env}
+            )
         try:
             self.wait_healthy()
         except BaseException:
@@ -112,7 +132,9 @@ class LaunchedServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"server did not answer {self.url}{self.health_path} within {self.timeout:.0f} s (log: {self.log_path})")
+        raise RuntimeError(
+            f"server did not answer {self.url}{self.health_path} within {self.timeout:.0f} s (log: {self.log_path})"
+        )
 
     def pause(self) -> None:
         """Stop the server's processes where they stand (SIGSTOP), so an idle server takes no CPU time."""
@@ -137,10 +159,13 @@ class LaunchedServer:
 class ServerProcess(LaunchedServer):
     """`inferlab-serve` (`command`) with Hydra `overrides`, on a free port of `host`; `with` gives its URL."""
 
-    def __init__(self, command: list[str], overrides: list[str], host: str, startup_timeout_s: float,
-                 log_path: Path) -> None:
+    def __init__(
+        self, command: list[str], overrides: list[str], host: str, startup_timeout_s: float, log_path: Path
+    ) -> None:
         port = free_port(host)
-        executable = shutil.which(command[0], path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        executable = shutil.which(
+            command[0], path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        )
         argv = [executable or command[0], *command[1:], *overrides, f"server.host={host}", f"server.port={port}"]
         super().__init__(argv, host, port, startup_timeout_s, log_path)
 

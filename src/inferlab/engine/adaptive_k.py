@@ -11,6 +11,7 @@ When even k = 1 costs more than it brings (a < draft_cost), the sequence decodes
 tokens, then probes with one round of at least one draft: speculation resumes where it pays again.
 The choice only ever depends on past rounds, so it keeps speculative sampling exact.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -5,6 +5,7 @@ Prompts are right-aligned, so every sequence writes the same cache column at eac
 and a key mask that hides the padding. The batch runs until its longest request ends: finished
 rows keep computing, the waste continuous batching removes.
 """
+
 from __future__ import annotations
 
 import threading

@@ -4,6 +4,7 @@ The allocator only does bookkeeping (block ids, counts); the tensors live in `Pa
 blocks go back on a LIFO free list, or, when the prefix cache knows them, to its LRU where a later
 request can still find them. Shared prefix blocks are referenced, never copied.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,8 +24,14 @@ class BlockTable:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, block_bytes: int, prefix_cache: PrefixCache | None = None,
-                 free_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        block_bytes: int,
+        prefix_cache: PrefixCache | None = None,
+        free_ids: list[int] | None = None,
+    ) -> None:
         """`free_ids`, when given, is shared with another allocator of the same blocks (the contiguous SlotPool)."""
         if num_blocks < 1:
             raise CapacityError(f"the KV budget holds no block of {block_size} tokens; raise cache.kv_budget_mb")
@@ -52,7 +59,8 @@ class BlockManager:
             raise CapacityError(
                 f"request needs KV for {n_tokens} tokens ({need * self.block_bytes / 2**20:.1f} MiB) but the whole "
                 f"pool holds {self.num_blocks * self.block_size} tokens ({self.num_blocks * self.block_bytes / 2**20:.1f}"
-                f" MiB); shorten the prompt or max_new_tokens, or raise cache.kv_budget_mb")
+                f" MiB); shorten the prompt or max_new_tokens, or raise cache.kv_budget_mb"
+            )
 
     def can_allocate(self, n_tokens: int) -> bool:
         return self.blocks_for(n_tokens) <= self.num_free
@@ -69,7 +77,7 @@ class BlockManager:
             full = (len(token_ids) - 1) // self.block_size
             parent = None
             for i in range(full):
-                ids = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+                ids = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
                 key = chain_hash(parent, ids)
                 block = self.prefix.lookup(key, ids)
                 if block is None:
@@ -103,7 +111,7 @@ class BlockManager:
             return
         parent = table.keys[-1] if table.keys else None
         for i in range(len(table.keys), table.num_computed // self.block_size):
-            ids = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            ids = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = chain_hash(parent, ids)
             self.prefix.register(table.blocks[i], parent, ids)
             table.keys.append(parent)

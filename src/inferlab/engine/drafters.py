@@ -6,6 +6,7 @@ resetting a length, and its own fused C++ decode step where the kernels apply), 
 (no model: copy what followed the latest earlier occurrence of the context's last n tokens). A
 `Drafter` holds what requests share (weights); `start()` gives one sequence's `DraftState`.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -69,8 +70,9 @@ class DraftState(ABC):
     calls: int = 0
 
     @abstractmethod
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
         """Up to `k` tokens continuing `context` (prompt + generated so far)."""
 
     def rollback(self, length: int) -> None:
@@ -98,6 +100,7 @@ class Drafter(ABC):
 
 # ---- n-gram prompt lookup ------------------------------------------------------------------------
 
+
 @dataclass
 class NgramDrafter(Drafter, DraftState):
     """Propose the continuation of the latest earlier match of the context's last n tokens (n from max to min).
@@ -116,8 +119,9 @@ class NgramDrafter(Drafter, DraftState):
     def start(self, capacity: int) -> DraftState:
         return self  # stateless
 
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
         return Proposal(lookup_continuation(context, k, self.min_n, self.max_n), None)
 
 
@@ -128,12 +132,13 @@ def lookup_continuation(context: list[int], k: int, min_n: int, max_n: int) -> l
     for n in range(min(max_n, len(context) - 1), min_n - 1, -1):
         suffix = context[-n:]
         for start in range(len(context) - n - 1, -1, -1):  # latest match first, never the suffix itself
-            if context[start + n - 1] == suffix[-1] and context[start:start + n] == suffix:
-                return context[start + n:start + n + k]
+            if context[start + n - 1] == suffix[-1] and context[start : start + n] == suffix:
+                return context[start + n : start + n + k]
     return []
 
 
 # ---- draft model ---------------------------------------------------------------------------------
+
 
 @dataclass
 class ModelDrafter(Drafter):
@@ -166,11 +171,12 @@ class ModelDraftState(DraftState):
     min_confidence: float = 0.0
     calls: int = field(default=0)
 
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
         tokens: list[int] = []
         dists: list[Tensor] = []
-        pending = context[self.runner.length:]  # what the draft has not seen yet (after a rollback: >= 1)
+        pending = context[self.runner.length :]  # what the draft has not seen yet (after a rollback: >= 1)
         for _ in range(k):
             logits = self.runner.forward(pending, last_only=True)[-1]  # (vocab,)
             self.calls += 1
@@ -194,8 +200,15 @@ class ModelDraftState(DraftState):
 
 # ---- from config ---------------------------------------------------------------------------------
 
-def build_drafter(spec: dict[str, Any], model_name: str, target: Transformer, dtype: torch.dtype,
-                  device: torch.device, gguf_path: Path | None = None) -> Drafter | None:
+
+def build_drafter(
+    spec: dict[str, Any],
+    model_name: str,
+    target: Transformer,
+    dtype: torch.dtype,
+    device: torch.device,
+    gguf_path: Path | None = None,
+) -> Drafter | None:
     """The resolved `spec` config group -> a Drafter (None for spec=none or off). `gguf_path`: the target's file,
     whose Q4_1 blocks a spec=self int4 draft imports as they are."""
     name = spec["name"]
@@ -205,16 +218,20 @@ def build_drafter(spec: dict[str, Any], model_name: str, target: Transformer, dt
         return NgramDrafter(max_n=int(spec["ngram_max"]), min_n=int(spec["ngram_min"]))
     if name == "draft":
         path = Path(str(spec["draft_model"])).expanduser() if spec.get("draft_model") else default_draft_dir(model_name)
-        return ModelDrafter(load_draft_model(path, target, dtype, device, build_hint=str(spec["build"])),
-                            min_confidence=float(spec["min_confidence"]))
+        return ModelDrafter(
+            load_draft_model(path, target, dtype, device, build_hint=str(spec["build"])),
+            min_confidence=float(spec["min_confidence"]),
+        )
     if name == "self":
-        return ModelDrafter(self_draft(target, str(spec["draft_precision"]), gguf_path), "self",
-                            float(spec["min_confidence"]))
+        return ModelDrafter(
+            self_draft(target, str(spec["draft_precision"]), gguf_path), "self", float(spec["min_confidence"])
+        )
     raise ModelLoadError(f"unknown spec {name!r}: use spec=none (or off), spec=ngram, spec=draft or spec=self")
 
 
-def load_draft_model(path: Path, target: Transformer, dtype: torch.dtype, device: torch.device,
-                     build_hint: str = "") -> Transformer:
+def load_draft_model(
+    path: Path, target: Transformer, dtype: torch.dtype, device: torch.device, build_hint: str = ""
+) -> Transformer:
     """A draft checkpoint (HF directory, as inferlab-train writes them) that must share the target's vocabulary."""
     from inferlab.model.loader import load_model
 
@@ -223,6 +240,8 @@ def load_draft_model(path: Path, target: Transformer, dtype: torch.dtype, device
         raise ModelLoadError(f"draft model not found at {path}{hint}")
     draft = load_model({"path": str(path)}, dtype, device, target.config.max_seq_len).model
     if draft.config.vocab_size != target.config.vocab_size:
-        raise ModelLoadError(f"draft model {path} has vocabulary {draft.config.vocab_size}, "
-                             f"the target {target.config.vocab_size}: they must share one tokenizer")
+        raise ModelLoadError(
+            f"draft model {path} has vocabulary {draft.config.vocab_size}, "
+            f"the target {target.config.vocab_size}: they must share one tokenizer"
+        )
     return draft

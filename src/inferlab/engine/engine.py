@@ -6,6 +6,7 @@ KV-cache study measures against. Concurrent requests (`submit`, `generate_batch`
 engine loop: a thread that owns the model and the KV memory and runs `step()` = schedule -> run ->
 sample -> stream, batching every running request's decode into one forward.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -93,8 +94,9 @@ class Sequence(ABC):
 
 
 class CachedSequence(Sequence):
-    def __init__(self, model: Transformer, device: torch.device, pool: SlotPool, n_tokens: int,
-                 fused: FusedDecode | None = None) -> None:
+    def __init__(
+        self, model: Transformer, device: torch.device, pool: SlotPool, n_tokens: int, fused: FusedDecode | None = None
+    ) -> None:
         super().__init__(model, device)
         self.pool, self.slot, self.fused = pool, pool.allocate(n_tokens), fused
         self.block_table = torch.tensor([[self.slot]], device=device)  # the slot is one max_seq_len block
@@ -135,8 +137,15 @@ class RecomputeSequence(Sequence):
 class PagedSequence(Sequence):
     """A single request's KV in blocks of the paged pool, its prompt's cached prefix blocks reused."""
 
-    def __init__(self, model: Transformer, device: torch.device, cache: PagedKVCache, blocks: BlockManager,
-                 prompt_ids: list[int], fused: FusedDecode | None = None) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        device: torch.device,
+        cache: PagedKVCache,
+        blocks: BlockManager,
+        prompt_ids: list[int],
+        fused: FusedDecode | None = None,
+    ) -> None:
         super().__init__(model, device)
         self.cache, self.blocks, self.kv, self.token_ids, self.fused = cache, blocks, BlockTable(), [], fused
         if not blocks.allocate(self.kv, prompt_ids, len(prompt_ids)):
@@ -170,8 +179,11 @@ class InferenceEngine:
         self.scheduler: Scheduler | None = None
         decode_kernel = decode_attention_applies(config.device, config.dtype, loaded.config.head_dim, config.kernels)
         # a cached decode step of at most FusedDecode.covers rows runs as one C++ call (None: the Python model)
-        self.fused = FusedDecode.build(self.model, config.device, config.dtype, config.kernels) \
-            if config.cache_mode != "none" else None
+        self.fused = (
+            FusedDecode.build(self.model, config.device, config.dtype, config.kernels)
+            if config.cache_mode != "none"
+            else None
+        )
         if speculation is not None:  # a draft model decodes through its own fused step too
             speculation.drafter.build_fused(config.device, config.dtype, config.kernels)
         if config.cache_mode == "contiguous":
@@ -184,7 +196,9 @@ class InferenceEngine:
         elif config.cache_mode == "paged":
             tokens = config.kv_blocks * config.block_size or config.slots * config.max_seq_len
             num_blocks = -(-tokens // config.block_size)
-            self.paged = PagedKVCache.allocate(loaded.config, num_blocks, config.block_size, config.dtype, config.device)
+            self.paged = PagedKVCache.allocate(
+                loaded.config, num_blocks, config.block_size, config.dtype, config.device
+            )
             self.paged.decode_kernel = decode_kernel
             block_bytes = compute_kv_cache_bytes(loaded.config, 1, config.block_size, config.dtype)
             prefix = PrefixCache() if config.prefix_cache else None
@@ -209,11 +223,15 @@ class InferenceEngine:
         self.check_prompt(prompt_ids)
         if self.config.cache_mode == "paged":
             self.blocks.check_fits(len(prompt_ids) + reserve_tokens)
-            seq: Sequence = PagedSequence(self.model, self.config.device, self.paged, self.blocks, prompt_ids, self.fused)
+            seq: Sequence = PagedSequence(
+                self.model, self.config.device, self.paged, self.blocks, prompt_ids, self.fused
+            )
         elif self.pool is None:
             seq = RecomputeSequence(self.model, self.config.device)
         else:
-            seq = CachedSequence(self.model, self.config.device, self.pool, len(prompt_ids) + reserve_tokens, self.fused)
+            seq = CachedSequence(
+                self.model, self.config.device, self.pool, len(prompt_ids) + reserve_tokens, self.fused
+            )
         try:
             return seq.forward(list(prompt_ids)), seq
         except BaseException:
@@ -233,8 +251,9 @@ class InferenceEngine:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return SamplingParams(**values)
 
-    def encode_prompt(self, prompt: str | list[int], chat: bool = False,
-                      messages: list[dict[str, str]] | None = None) -> list[int]:
+    def encode_prompt(
+        self, prompt: str | list[int], chat: bool = False, messages: list[dict[str, str]] | None = None
+    ) -> list[int]:
         if messages is None and chat:
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
@@ -257,11 +276,14 @@ class InferenceEngine:
         """Refuse, by name, what this path cannot do: speculative decoding samples many positions per
         forward without a request's history; prompt log-probabilities come from the engine loop's prefill."""
         if self.speculation is not None and params.history_fields():
-            raise InvalidRequestError(f"{', '.join(params.history_fields())}: not available with speculative "
-                                      "decoding; serve with spec=off")
+            raise InvalidRequestError(
+                f"{', '.join(params.history_fields())}: not available with speculative decoding; serve with spec=off"
+            )
         if params.prompt_logprobs is not None and not (loop and self.scheduler is not None):
-            raise InvalidRequestError("prompt logprobs (echo with logprobs) are computed in the engine loop's "
-                                      "prefill: serve with cache=contiguous or cache=paged and spec=off")
+            raise InvalidRequestError(
+                "prompt logprobs (echo with logprobs) are computed in the engine loop's "
+                "prefill: serve with cache=contiguous or cache=paged and spec=off"
+            )
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -298,8 +320,9 @@ class InferenceEngine:
         """A drafter proposes, the target verifies K+1 positions per forward (engine/speculative.py)."""
         self.check_prompt(prompt_ids)
         request = self._new_request(prompt_ids, params, emit=lambda item: None)  # events are yielded, not emitted
-        session = self.speculation.start(self.model, prompt_ids, params, request.max_new_tokens, request.generator,
-                                         self.fused)
+        session = self.speculation.start(
+            self.model, prompt_ids, params, request.max_new_tokens, request.generator, self.fused
+        )
         with self._lock:
             self._single_running += 1
         try:
@@ -308,12 +331,21 @@ class InferenceEngine:
             with self._lock:
                 self._single_running -= 1
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int | None = None, temperature: float | None = None,
-                 top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-                 stop: list[str] | str | None = None, chat: bool = False) -> Completion:
+    def generate(
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: list[str] | str | None = None,
+        chat: bool = False,
+    ) -> Completion:
         """Complete `prompt` (raw text, or token ids); `chat=True` wraps it in the chat template first."""
-        params = self.sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                      top_k=top_k, seed=seed, stop=stop)
+        params = self.sampling_params(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop
+        )
         return self._collect(self.iter_events(self.encode_prompt(prompt, chat), params))
 
     def chat(self, messages: list[dict[str, str]], **kwargs) -> Completion:
@@ -332,8 +364,9 @@ class InferenceEngine:
                 return Completion("".join(parts), token_ids, event.finish_reason, event.timings)
         raise RuntimeError("generation ended without a closing event")
 
-    def generate_batch(self, prompts: list[str | list[int]], max_new_tokens: int | None = None,
-                       **sampling) -> list[Completion]:
+    def generate_batch(
+        self, prompts: list[str | list[int]], max_new_tokens: int | None = None, **sampling
+    ) -> list[Completion]:
         """Complete several raw prompts together; the completions come back in prompt order.
 
         contiguous: left-padded static batches of at most `slots` prompts; paged: the continuous-batching
@@ -345,7 +378,7 @@ class InferenceEngine:
         for ids in prompt_ids:
             self.check_prompt(ids)
         if self.config.cache_mode == "contiguous":
-            waves = [prompt_ids[i:i + self.config.slots] for i in range(0, len(prompt_ids), self.config.slots)]
+            waves = [prompt_ids[i : i + self.config.slots] for i in range(0, len(prompt_ids), self.config.slots)]
             return [c for wave in waves for c in self._generate_left_padded(wave, params)]
         if self.scheduler is not None:
             return self._generate_scheduled(prompt_ids, params)
@@ -378,8 +411,9 @@ class InferenceEngine:
     def _generate_scheduled(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         """All prompts through the engine loop at once (not bounded by the wait queue: the caller waits)."""
         inbox: SimpleQueue = SimpleQueue()
-        requests = [self._new_request(ids, params, lambda item, i=i: inbox.put((i, item)))
-                    for i, ids in enumerate(prompt_ids)]
+        requests = [
+            self._new_request(ids, params, lambda item, i=i: inbox.put((i, item))) for i, ids in enumerate(prompt_ids)
+        ]
         events: list[list[StreamEvent]] = [[] for _ in prompt_ids]
         try:
             for request in requests:
@@ -401,8 +435,10 @@ class InferenceEngine:
         c = self.config
         parts = [f"precision {c.precision or c.dtype}", f"cache={c.cache_mode}"]
         if c.cache_mode == "paged":
-            parts.append(f"{self.blocks.num_blocks} KV blocks of {c.block_size} tokens "
-                         f"({self.paged.nbytes / 2**20:.0f} MiB), prefix cache {'on' if c.prefix_cache else 'off'}")
+            parts.append(
+                f"{self.blocks.num_blocks} KV blocks of {c.block_size} tokens "
+                f"({self.paged.nbytes / 2**20:.0f} MiB), prefix cache {'on' if c.prefix_cache else 'off'}"
+            )
         elif c.cache_mode == "contiguous":
             parts.append(f"{c.slots} KV slots of {c.max_seq_len} tokens ({self.kv_cache.nbytes / 2**20:.0f} MiB)")
         if self.scheduler is not None:
@@ -443,9 +479,12 @@ class InferenceEngine:
         self.check_prompt(prompt_ids)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
-        scheduled = self._new_request(prompt_ids, request.params,
-                                      lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
-                                      priority=request.priority)
+        scheduled = self._new_request(
+            prompt_ids,
+            request.params,
+            lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
+            priority=request.priority,
+        )
         self._enqueue(scheduled)
         return self._events(scheduled, inbox)
 
@@ -462,14 +501,28 @@ class InferenceEngine:
             self._cancel(request)
 
     # ---- the engine loop -------------------------------------------------------------------------
-    def _new_request(self, prompt_ids: list[int], params: SamplingParams,
-                     emit: Callable[[StreamEvent | BaseException], None], max_new: int | None = None,
-                     priority: int = 0) -> Request:
+    def _new_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        emit: Callable[[StreamEvent | BaseException], None],
+        max_new: int | None = None,
+        priority: int = 0,
+    ) -> Request:
         if max_new is None:
             max_new = min(params.max_new_tokens, self.config.max_seq_len - len(prompt_ids))
         stop_ids = (set() if params.ignore_eos else set(self.tokenizer.eos_ids)) | set(params.stop_token_ids)
-        return Request(next(self._request_ids), list(prompt_ids), params, max_new, TextStream(self.tokenizer, params.stop),
-                       stop_ids, emit, params.make_generator(self.config.device), priority)
+        return Request(
+            next(self._request_ids),
+            list(prompt_ids),
+            params,
+            max_new,
+            TextStream(self.tokenizer, params.stop),
+            stop_ids,
+            emit,
+            params.make_generator(self.config.device),
+            priority,
+        )
 
     def _enqueue(self, request: Request, bounded: bool = True) -> None:
         if self.failure is None:
@@ -559,11 +612,12 @@ class InferenceEngine:
         if self.fault_hook is not None:
             self.fault_hook("forward", requests)
         starts = [r.kv.num_computed for r in requests]
-        tokens = [r.token_ids[s:s + n] for r, s in zip(requests, starts)]
+        tokens = [r.token_ids[s : s + n] for r, s in zip(requests, starts)]
         # a prompt whose log-probabilities are wanted gets every position's logits: (B, n, vocab)
         every = any(r.wants_prompt_logprobs and s < len(r.prompt_ids) for r, s in zip(requests, starts))
-        return forward_paged(self.model, self.paged, tokens, starts, [r.kv.blocks for r in requests], self.fused,
-                             every_position=every)
+        return forward_paged(
+            self.model, self.paged, tokens, starts, [r.kv.blocks for r in requests], self.fused, every_position=every
+        )
 
     def _sample(self, request: Request, row: Tensor, n: int) -> list[StreamEvent]:
         """Record the `n` computed tokens; the events of the next token once the prompt is all in."""
@@ -581,8 +635,13 @@ class InferenceEngine:
         log.error("request %d failed in its %s; the others continue", request.request_id, stage, exc_info=error)
         request.finish_reason = "error"
         self.scheduler.finish(request)
-        self._deliver(request, GenerationError(f"generation failed in this request's {stage} step "
-                                               f"({type(error).__name__}); the server log has the details"))
+        self._deliver(
+            request,
+            GenerationError(
+                f"generation failed in this request's {stage} step "
+                f"({type(error).__name__}); the server log has the details"
+            ),
+        )
 
     @staticmethod
     def _deliver(request: Request, item: StreamEvent | BaseException) -> None:

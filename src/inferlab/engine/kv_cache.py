@@ -1,4 +1,5 @@
 """Contiguous KV cache: pre-allocated per-slot buffers, written in place, and the slot pool over them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,8 +37,9 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def update(self, layer_idx: int, k_val: Tensor, v_val: Tensor, start_pos: int,
-               slots: slice = slice(0, 1)) -> tuple[Tensor, Tensor]:
+    def update(
+        self, layer_idx: int, k_val: Tensor, v_val: Tensor, start_pos: int, slots: slice = slice(0, 1)
+    ) -> tuple[Tensor, Tensor]:
         """Write k/v (B, n_kv_heads, T, head_dim) at [start_pos, start_pos + T) of `slots`, in place.
 
         Returns views of everything written so far for those slots: (B, n_kv_heads, start_pos + T, head_dim).
@@ -85,8 +87,9 @@ class CachedAttend:
         cache = self.cache
         if self.block_tables is not None and span.plain:
             # one call writes this step's k/v into the slots' buffers and attends
-            return decode_attention(q, k, v, cache.k_layers[layer_idx], cache.v_layers[layer_idx], self.block_tables,
-                                    self.positions)
+            return decode_attention(
+                q, k, v, cache.k_layers[layer_idx], cache.v_layers[layer_idx], self.block_tables, self.positions
+            )
         keys, values = cache.update(layer_idx, k, v, self.start_pos, self.slots)
         if not span.plain:
             query_index = torch.arange(self.start_pos, self.start_pos + self.n_new, device=q.device)
@@ -112,7 +115,8 @@ class SlotPool:
             have = compute_kv_cache_bytes(self.config, 1, self.cache.max_seq_len, self.cache.k.dtype)
             raise CapacityError(
                 f"request needs KV for {n_tokens} tokens ({need / 2**20:.1f} MiB) but a slot holds "
-                f"{self.cache.max_seq_len} tokens ({have / 2**20:.1f} MiB); shorten the prompt or max_new_tokens")
+                f"{self.cache.max_seq_len} tokens ({have / 2**20:.1f} MiB); shorten the prompt or max_new_tokens"
+            )
 
     def allocate(self, n_tokens: int) -> int:
         self.check_fits(n_tokens)

@@ -8,6 +8,7 @@ tokens masked), then the penalties on the raw token history:
 Log-probabilities are the model's own (the log-softmax of the raw logits, before any of this or the
 temperature), as vLLM reports them by default.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -28,18 +29,26 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
-def process_logits(logits: Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                   stop_ids: Collection[int]) -> Tensor:
+def process_logits(
+    logits: Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], stop_ids: Collection[int]
+) -> Tensor:
     """(vocab,) logits -> the (vocab,) logits sampling draws from, in fp32; unchanged when nothing applies."""
-    if not (params.logit_bias or params.min_tokens or params.presence_penalty or params.frequency_penalty
-            or params.repetition_penalty != 1.0):
+    if not (
+        params.logit_bias
+        or params.min_tokens
+        or params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+    ):
         return logits
     logits = logits.float().clone()
     vocab = logits.shape[-1]
     # ids the vocabulary does not have (a client may name any) can never be sampled: they change nothing
     bias = {t: b for t, b in params.logit_bias.items() if t < vocab}
     if bias:
-        logits[torch.tensor(list(bias), device=logits.device)] += torch.tensor(list(bias.values()), device=logits.device)
+        logits[torch.tensor(list(bias), device=logits.device)] += torch.tensor(
+            list(bias.values()), device=logits.device
+        )
     stops = sorted(t for t in stop_ids if t < vocab)
     if len(output_ids) < params.min_tokens and stops:
         logits[torch.tensor(stops, device=logits.device)] = float("-inf")

@@ -5,6 +5,7 @@ ceil(tokens / block_size) blocks anywhere in the pool, so many more sequences fi
 The contiguous cache has the same layout with one max_seq_len block per slot, so `PagedAttend` serves
 both, and batched decoding of sequences of different lengths works the same over either.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,8 +30,9 @@ class PagedKVCache:
     decode_kernel: bool = False  # single-query steps through kernels.decode_attention (set by the engine)
 
     @classmethod
-    def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> PagedKVCache:
+    def allocate(
+        cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> PagedKVCache:
         shape = (config.n_layers, num_blocks, config.n_kv_heads, block_size, config.head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
@@ -100,21 +102,28 @@ class PagedAttend:
         keys, values = self._gather(k_pool), self._gather(v_pool)
         if not span.plain:
             return attend_over(q, keys.to(q.dtype), values.to(q.dtype), self.positions, span)
-        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=self.mask,
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=self.mask, enable_gqa=True
+        )
 
     def _gather(self, pool: Tensor) -> Tensor:
         """Each sequence's first `length` positions, in order: (B, H, L, D)."""
         if self.read_blocks == 1:  # also the contiguous cache: slice the slot instead of copying all of it
-            return pool[self.block_tables[:, 0], :, :self.length]
-        blocks = pool[self.block_tables[:, :self.read_blocks]]  # (B, nb, H, bs, D)
+            return pool[self.block_tables[:, 0], :, : self.length]
+        blocks = pool[self.block_tables[:, : self.read_blocks]]  # (B, nb, H, bs, D)
         B, nb, H, bs, D = blocks.shape
-        return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, D)[:, :, :self.length]
+        return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, D)[:, :, : self.length]
 
 
-def forward_paged(model: Transformer, cache: PagedKVCache, new_tokens: list[list[int]], starts: list[int],
-                  block_tables: list[list[int]], fused: FusedDecode | None = None,
-                  every_position: bool = False) -> Tensor:
+def forward_paged(
+    model: Transformer,
+    cache: PagedKVCache,
+    new_tokens: list[list[int]],
+    starts: list[int],
+    block_tables: list[list[int]],
+    fused: FusedDecode | None = None,
+    every_position: bool = False,
+) -> Tensor:
     """Run B sequences that each feed the same number T of new tokens; return each one's last logits (B, vocab),
     or with `every_position` every new position's (B, T, vocab) (prompt log-probabilities).
 

@@ -5,6 +5,7 @@ to the end of the block; a hit is confirmed by comparing the ids (a hash collisi
 another prompt's KV). Cached blocks that no sequence references stay in the pool, oldest-unused first
 in an LRU, until the allocator needs their memory: reuse costs nothing, eviction is lazy.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -3,6 +3,7 @@
 `SamplingParams` also carries what reads a request's token history (penalties, logit bias, min_tokens;
 engine/logits.py applies them) and what the request reports back (log-probabilities).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,8 +46,9 @@ class SamplingParams:
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
             raise InvalidRequestError("logit_bias values must be in [-100, 100]")
         if self.min_tokens < 0 or self.min_tokens > self.max_new_tokens:
-            raise InvalidRequestError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                                      f"got {self.min_tokens}")
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -67,8 +69,15 @@ class SamplingParams:
 
     def history_fields(self) -> list[str]:
         """The fields set to something that reads the request's token history or reports log-probabilities."""
-        defaults = {"min_tokens": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                    "logit_bias": {}, "logprobs": None, "prompt_logprobs": None}
+        defaults = {
+            "min_tokens": 0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "logit_bias": {},
+            "logprobs": None,
+            "prompt_logprobs": None,
+        }
         return [name for name, default in defaults.items() if getattr(self, name) != default]
 
     def make_generator(self, device: torch.device) -> torch.Generator | None:

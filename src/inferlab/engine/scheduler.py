@@ -8,6 +8,7 @@ are freed and it goes back to the front of the queue, to be recomputed (its full
 back from the prefix cache). Requests may be added and cancelled from any thread; `schedule` runs on
 the engine loop's thread, which alone touches KV memory.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -74,8 +75,9 @@ class Scheduler:
                 if not self.blocks.can_allocate(request.num_tokens + 1):
                     break  # first come, first served: no overtaking the head of the queue
                 self.waiting.pop(0)
-                self.blocks.allocate(request.kv, request.token_ids, request.num_tokens + 1,
-                                     reuse=not request.wants_prompt_logprobs)
+                self.blocks.allocate(
+                    request.kv, request.token_ids, request.num_tokens + 1, reuse=not request.wants_prompt_logprobs
+                )
                 self.running.append(request)
                 n = min(request.num_uncomputed, budget)
                 batch.prefills.append((request, n))

@@ -4,6 +4,7 @@ The scheduler moves a `Request` between waiting and running; the engine loop fee
 tokens and hands the logits to `sample` (the request's own sampling state: params, generator, token
 history), whose `accept` turns a token into the events the client sees.
 """
+
 from __future__ import annotations
 
 import time
@@ -122,8 +123,16 @@ class Request:
         self.output_ids.append(token)
         delta, stopped = self.text.push(token)
         n = len(self.output_ids)
-        events = [StreamEvent(n - 1, delta, token, (now - self.start) * 1e3 if n == 1 else None, logprob=logprob,
-                              prompt_logprobs=self._prompt_logprobs() if first else None)]
+        events = [
+            StreamEvent(
+                n - 1,
+                delta,
+                token,
+                (now - self.start) * 1e3 if n == 1 else None,
+                logprob=logprob,
+                prompt_logprobs=self._prompt_logprobs() if first else None,
+            )
+        ]
         if stopped or n >= self.max_new_tokens:
             events.append(self._close("stop" if stopped else "length"))
         return events
@@ -135,8 +144,14 @@ class Request:
         end = time.perf_counter()
         first = self.first_token_time or end
         timings = Timings.measure(self.start, first, end, len(self.prompt_ids), len(self.output_ids))
-        return StreamEvent(len(self.output_ids), self.text.flush(), finish_reason=reason, timings=timings,
-                           logprob=logprob, prompt_logprobs=None if self.output_ids else self._prompt_logprobs())
+        return StreamEvent(
+            len(self.output_ids),
+            self.text.flush(),
+            finish_reason=reason,
+            timings=timings,
+            logprob=logprob,
+            prompt_logprobs=None if self.output_ids else self._prompt_logprobs(),
+        )
 
     def _prompt_logprobs(self) -> list[TokenLogprob | None] | None:
         return self.prompt_logprobs if self.wants_prompt_logprobs else None

@@ -9,6 +9,7 @@ al. 2023, Chen et al. 2023), and at temperature 0 reduces to "keep the draft whi
 target's argmax". Both caches roll back by lowering a length; rejected entries are overwritten later.
 With `spec.adaptive`, each sequence picks its round's K from its own acceptance so far (engine/adaptive_k.py).
 """
+
 from __future__ import annotations
 
 import threading
@@ -54,9 +55,12 @@ class SpecStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "acceptance_rate": self.acceptance_rate,
-                "mean_accepted_length": self.mean_accepted_length,
-                "target_calls_per_token": self.target_calls_per_token}
+        return {
+            **asdict(self),
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "target_calls_per_token": self.target_calls_per_token,
+        }
 
 
 @dataclass
@@ -67,6 +71,7 @@ class SpecResult:
 
 
 # ---- the acceptance rule -------------------------------------------------------------------------
+
 
 def acceptance_probability(p_draft: Tensor, q_draft: Tensor) -> Tensor:
     """min(1, p/q) for each draft token, from the target's and the draft's probability of it. (k,) -> (k,)"""
@@ -108,6 +113,7 @@ def verify_greedy(target_logits: Tensor, drafts: list[int]) -> tuple[int, int]:
 
 # ---- one sequence --------------------------------------------------------------------------------
 
+
 @dataclass
 class SpecSession:
     """One request's speculative generation: call `step()` until it says done; `tokens` is the output so far."""
@@ -139,7 +145,7 @@ class SpecSession:
         k = min(self.policy.next_k() if self.policy else self.k, self.max_new_tokens - len(self.tokens) - 1)
         proposal = self.draft.propose(context, k, self.params, self.generator)
         drafts = proposal.tokens
-        logits = self.runner.forward(context[self.runner.length:] + drafts)[-(len(drafts) + 1):]  # (k+1, vocab)
+        logits = self.runner.forward(context[self.runner.length :] + drafts)[-(len(drafts) + 1) :]  # (k+1, vocab)
         if self.params.greedy:
             n, last = verify_greedy(logits, drafts)
         else:
@@ -168,19 +174,47 @@ class Speculation:
 
     def counters(self) -> dict[str, int]:
         t = self.totals
-        return {"spec_target_calls": t.target_calls, "spec_draft_calls": t.draft_calls, "spec_proposed": t.proposed,
-                "spec_accepted": t.accepted, "spec_generated": t.generated}
+        return {
+            "spec_target_calls": t.target_calls,
+            "spec_draft_calls": t.draft_calls,
+            "spec_proposed": t.proposed,
+            "spec_accepted": t.accepted,
+            "spec_generated": t.generated,
+        }
 
-    def start(self, target: Transformer, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-              generator: torch.Generator | None, fused: FusedDecode | None = None) -> SpecSession:
+    def start(
+        self,
+        target: Transformer,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        generator: torch.Generator | None,
+        fused: FusedDecode | None = None,
+    ) -> SpecSession:
         draft = self.drafter.start(len(prompt_ids) + max_new_tokens)
         policy = AdaptiveK(self.k, self.drafter.step_cost(target)) if self.adaptive else None
-        return SpecSession(target, draft, list(prompt_ids), params, self.k, max_new_tokens, generator, fused,
-                           totals=self.totals, policy=policy)
+        return SpecSession(
+            target,
+            draft,
+            list(prompt_ids),
+            params,
+            self.k,
+            max_new_tokens,
+            generator,
+            fused,
+            totals=self.totals,
+            policy=policy,
+        )
 
 
-def build_speculation(spec: dict[str, Any], model_name: str, target: Transformer, dtype: torch.dtype,
-                      device: torch.device, gguf_path: Path | None = None) -> Speculation | None:
+def build_speculation(
+    spec: dict[str, Any],
+    model_name: str,
+    target: Transformer,
+    dtype: torch.dtype,
+    device: torch.device,
+    gguf_path: Path | None = None,
+) -> Speculation | None:
     """The resolved `spec` config group -> Speculation (None for spec=off)."""
     drafter = build_drafter(spec, model_name, target, dtype, device, gguf_path)
     return Speculation(drafter, int(spec["k"]), bool(spec["adaptive"])) if drafter is not None else None
@@ -197,10 +231,19 @@ def stream_events(session: SpecSession, request: Request, lock: threading.Lock) 
                 break
 
 
-def speculative_generate(target_model: Transformer, draft_model: Transformer | Drafter, prompt_ids: list[int],
-                         K: int = 4, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                         max_new_tokens: int = 64, seed: int | None = None,
-                         eos_ids: set[int] | frozenset[int] = frozenset(), adaptive: bool = False) -> SpecResult:
+def speculative_generate(
+    target_model: Transformer,
+    draft_model: Transformer | Drafter,
+    prompt_ids: list[int],
+    K: int = 4,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_tokens: int = 64,
+    seed: int | None = None,
+    eos_ids: set[int] | frozenset[int] = frozenset(),
+    adaptive: bool = False,
+) -> SpecResult:
     """Generate with `draft_model` (a Transformer sharing the vocabulary, or any Drafter) proposing K tokens
     (at most K per round with `adaptive`, engine/adaptive_k.py).
 
@@ -208,8 +251,9 @@ def speculative_generate(target_model: Transformer, draft_model: Transformer | D
     """
     drafter = draft_model if isinstance(draft_model, Drafter) else ModelDrafter(draft_model)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    session = Speculation(drafter, K, adaptive).start(target_model, prompt_ids, params, max_new_tokens,
-                                            params.make_generator(target_model.rope_cos.device))
+    session = Speculation(drafter, K, adaptive).start(
+        target_model, prompt_ids, params, max_new_tokens, params.make_generator(target_model.rope_cos.device)
+    )
     while len(session.tokens) < max_new_tokens:
         session.step()
         hit = next((i for i, t in enumerate(session.tokens) if t in eos_ids), None)

@@ -1,4 +1,5 @@
 """Streaming text with stop strings: emit text as soon as it cannot be the start of a stop string."""
+
 from __future__ import annotations
 
 from inferlab.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -16,7 +17,7 @@ class TextStream:
         self.text += self.detokenizer.push(token_id)
         hits = [i for i in (self.text.find(s, max(0, self.emitted - len(s))) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            self.text = self.text[: min(hits)]
             return self._emit(len(self.text)), True
         held = max((n for s in self.stop for n in range(len(s) - 1, 0, -1) if self.text.endswith(s[:n])), default=0)
         return self._emit(len(self.text) - held), False
@@ -26,5 +27,5 @@ class TextStream:
         return self._emit(len(self.text))
 
     def _emit(self, upto: int) -> str:
-        delta, self.emitted = self.text[self.emitted:upto], max(self.emitted, upto)
+        delta, self.emitted = self.text[self.emitted : upto], max(self.emitted, upto)
         return delta

@@ -7,6 +7,7 @@ activations both are 4-20x slower than a dense F.linear (49152x576: int4 93 / 12
 dense 12.5 / 6.7 ms), so on CPU only bf16 takes them. Every case the kernels do not cover runs the
 portable dequantize-then-linear reference instead.
 """
+
 from __future__ import annotations
 
 import torch

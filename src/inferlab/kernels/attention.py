@@ -1,4 +1,5 @@
 """Single-query attention through block tables (csrc/attention.h): each decode step's softmax(q K^T) V."""
+
 from __future__ import annotations
 
 import torch
@@ -12,12 +13,14 @@ DECODE_ATTENTION_MAX_HEAD_DIM = 256
 def decode_attention_applies(device: torch.device, dtype: torch.dtype, head_dim: int, kernels: str) -> bool:
     """Whether a KV cache of this device, dtype and head_dim takes its single-query steps through
     `decode_attention`: decided once, when the cache is built."""
-    return (fast_kernels_apply(device, dtype, kernels) and head_dim % 8 == 0
-            and head_dim <= DECODE_ATTENTION_MAX_HEAD_DIM)
+    return (
+        fast_kernels_apply(device, dtype, kernels) and head_dim % 8 == 0 and head_dim <= DECODE_ATTENTION_MAX_HEAD_DIM
+    )
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor,
-                     positions: Tensor) -> Tensor:
+def decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, positions: Tensor
+) -> Tensor:
     """Write each sequence's k, v at its position of the pools, then softmax(q K^T / sqrt(d)) V over its
     positions 0..position, read through its row of `block_tables`.
 

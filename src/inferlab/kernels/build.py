@@ -13,6 +13,7 @@ the process calls one of them, chosen once at load (`use_isa`) and logged. Nothi
 import: the build happens on the first call that asks whether the kernels are there.
 `kernels=portable`, other devices, and machines without AVX2 or a C++ compiler keep `F.linear`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,12 +60,21 @@ def load_isa(name: str) -> bool:
     build_dir = kernels_build_dir(isa)
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
-        print(f"inferlab: building the CPU decode kernels for {isa.about} (once per machine) ...", file=sys.stderr,
-              flush=True)
+        print(
+            f"inferlab: building the CPU decode kernels for {isa.about} (once per machine) ...",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         # -fopenmp for at::parallel_for's pragmas: the process's libgomp is torch's, so the threads are torch's
-        load(name=f"inferlab_kernels_{isa.name}", sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
-             extra_cflags=["-O3", *isa.cflags, "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)
+        load(
+            name=f"inferlab_kernels_{isa.name}",
+            sources=[str(p) for p in SOURCES],
+            build_directory=str(build_dir),
+            extra_cflags=["-O3", *isa.cflags, "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
     except Exception as error:  # no compiler, no ninja: the portable path serves
         log.warning("CPU decode kernels unavailable (%s); using F.linear", str(error).splitlines()[0])
         return False
@@ -130,5 +140,6 @@ def fast_kernels_apply(device: torch.device, dtype: torch.dtype, kernels: str) -
     """`device.kernels=fast` on a CPU with float activations and the kernels built: the fast paths run."""
     if kernels not in KERNEL_CHOICES:
         raise InvalidRequestError(f"device.kernels={kernels!r}; use one of {list(KERNEL_CHOICES)}")
-    return (kernels == "fast" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and cpu_gemv_available())
+    return (
+        kernels == "fast" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_gemv_available()
+    )

@@ -8,6 +8,7 @@ contiguous slots (one max_seq_len block per slot) and the paged pool alike. Prom
 and anything it does not cover (`FusedDecode.build` returns None) keep the Python model, which is the
 reference the tests compare it with.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,22 +39,37 @@ class FusedDecode:
     @classmethod
     def build(cls, model: Transformer, device: torch.device, dtype: torch.dtype, kernels: str) -> FusedDecode | None:
         config = model.config
-        if (not config.llama_layer  # the plan runs exactly the Llama layer: other families keep the Python model
-                or not fast_kernels_apply(device, dtype, kernels) or config.head_dim % 8
-                or config.head_dim > DECODE_ATTENTION_MAX_HEAD_DIM):
+        if (
+            not config.llama_layer  # the plan runs exactly the Llama layer: other families keep the Python model
+            or not fast_kernels_apply(device, dtype, kernels)
+            or config.head_dim % 8
+            or config.head_dim > DECODE_ATTENTION_MAX_HEAD_DIM
+        ):
             return None
         output = projection_parts(model.output)
-        layers = [[projection_parts(linear) for linear in (layer.attention.wqkv, layer.attention.wo,
-                                                           layer.feed_forward.w13, layer.feed_forward.w2)]
-                  for layer in model.layers]
+        layers = [
+            [
+                projection_parts(linear)
+                for linear in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2)
+            ]
+            for layer in model.layers
+        ]
         if output is None or any(parts is None for layer in layers for parts in layer):
             return None
         # The plan rotates q and k in fp32 with fp32 tables, not the model's own in its dtype: bf16 cos/sin (off
         # by up to 2^-9) were the bf16 step's largest error of its own (SmolLM2 bf16 against fp32, teacher-forced
         # over 62 positions: mean 1 - cosine 1.58e-4 -> 1.31e-4, worst cosine 0.99831 -> 0.99866)
         rope_cos, rope_sin = rope_tables(config, torch.device("cpu"))
-        plan = kernel_classes().DecodePlan(config.n_heads, config.n_kv_heads, config.head_dim, config.norm_eps,
-                                           rope_cos, rope_sin, model.norm.weight.detach(), output)
+        plan = kernel_classes().DecodePlan(
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+            config.norm_eps,
+            rope_cos,
+            rope_sin,
+            model.norm.weight.detach(),
+            output,
+        )
         for block, (wqkv, wo, w13, w2) in zip(model.layers, layers):
             plan.add_layer(block.attention_norm.weight.detach(), wqkv, wo, block.ffn_norm.weight.detach(), w13, w2)
         return cls(model, plan, active_isa().name)
@@ -62,8 +78,9 @@ class FusedDecode:
     def covers(batch_size: int) -> bool:
         return batch_size <= GEMV_MAX_ROWS
 
-    def __call__(self, tokens: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                 positions: Tensor) -> Tensor:
+    def __call__(
+        self, tokens: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, positions: Tensor
+    ) -> Tensor:
         # tokens (B,) -> logits (B, vocab); k_cache, v_cache (n_layers, num_blocks, n_kv_heads, block_size, head_dim)
         x = self.model.tok_embeddings(tokens)  # (B, dim)
         return self.plan.step(x, k_cache, v_cache, block_tables, positions)  # type: ignore[attr-defined]  # a C++ class

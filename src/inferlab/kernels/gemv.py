@@ -4,6 +4,7 @@ each row, with the RMSNorm or SwiGLU before the product fused in.
 The GEMV takes calls of at most GEMV_MAX_ROWS rows; prompts and large batches are GEMMs, where
 `F.linear` is the right tool.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,12 +21,25 @@ FLOAT_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 def gemv_fits(x: Tensor, width: int) -> bool:
     """The kernel covers this call: CPU, at most GEMV_MAX_ROWS rows of `width` features, a multiple of 16 up to 8192."""
-    return (x.device.type == "cpu" and x.numel() <= GEMV_MAX_ROWS * width and width % GEMV_K_STEP == 0
-            and width <= GEMV_MAX_K and x.dtype in (torch.float32, torch.bfloat16) and cpu_gemv_available())
+    return (
+        x.device.type == "cpu"
+        and x.numel() <= GEMV_MAX_ROWS * width
+        and width % GEMV_K_STEP == 0
+        and width <= GEMV_MAX_K
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and cpu_gemv_available()
+    )
 
 
-def gemv(x: Tensor, weight: Tensor, scales: Tensor | None, bias: Tensor | None, norm: RMSNorm | None,
-         gated: bool, mins: Tensor | None = None) -> Tensor:
+def gemv(
+    x: Tensor,
+    weight: Tensor,
+    scales: Tensor | None,
+    bias: Tensor | None,
+    norm: RMSNorm | None,
+    gated: bool,
+    mins: Tensor | None = None,
+) -> Tensor:
     """prepare(x) @ W.T * scales + bias, each part only when given, in one pass over the weight.
 
     prepare = rmsnorm with `norm`; with `gated`, x is [gate, up] (..., 2K) and prepare = silu(gate) * up.

@@ -6,6 +6,7 @@ uses is chosen once, at load, from what the CPU reports: Linux's /proc/cpuinfo f
 only what it has enabled), else torch's own probe, which names AVX2 and AVX-512 but not VNNI or BF16
 (so there the AVX2 build serves).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,9 +35,21 @@ class Isa:
 
 ISAS = {  # from the narrowest up: "auto" takes the last one the CPU has
     "avx2": Isa("avx2", ("avx2", "fma"), ("-mavx2", "-mfma"), "AVX2 + FMA"),
-    "avx512": Isa("avx512", ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"),
-                  ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16",
-                   "-DINFERLAB_AVX512"), "AVX-512 F/BW/VL + VNNI + BF16"),
+    "avx512": Isa(
+        "avx512",
+        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"),
+        (
+            "-mavx2",
+            "-mfma",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512vnni",
+            "-mavx512bf16",
+            "-DINFERLAB_AVX512",
+        ),
+        "AVX-512 F/BW/VL + VNNI + BF16",
+    ),
 }
 ISA_CHOICES = ("auto", *ISAS)
 TORCH_CAPABILITY_FLAGS = {"AVX2": {"avx2", "fma"}, "AVX512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}}
@@ -68,6 +81,8 @@ def resolve_isa(requested: str) -> Isa | None:
         return ISAS[supported[-1]] if supported else None
     if requested not in supported:
         missing = sorted(set(ISAS[requested].cpu_flags) - cpu_flags())
-        raise InvalidRequestError(f"device.isa={requested}: this CPU lacks {', '.join(missing)} "
-                                  f"(it runs: {', '.join(supported) or 'none of ' + str(list(ISAS))}); use device.isa=auto")
+        raise InvalidRequestError(
+            f"device.isa={requested}: this CPU lacks {', '.join(missing)} "
+            f"(it runs: {', '.join(supported) or 'none of ' + str(list(ISAS))}); use device.isa=auto"
+        )
     return ISAS[requested]

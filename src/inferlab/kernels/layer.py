@@ -4,6 +4,7 @@ switch between the fast kernels and the portable reference path.
 The plain layers (gemv.GemvLinear) and the quantized ones (quant/) implement `KernelLayer`; the fused
 decode step and `select_kernels` see layers only through it, so kernels/ never imports the layers' code.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

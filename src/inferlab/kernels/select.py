@@ -1,4 +1,5 @@
 """Put a model's layers on the kernels chosen for its device, once at load (`device.kernels`, `device.isa`)."""
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,9 @@ def choose_isa(device: torch.device, kernels: str, isa: str) -> str | None:
     return use_isa(isa)
 
 
-def select_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str,
-                   dense_copy_mb: float = 0) -> list[str]:
+def select_kernels(
+    model: nn.Module, device: torch.device, dtype: torch.dtype, kernels: str, dense_copy_mb: float = 0
+) -> list[str]:
     """Swap each plain nn.Linear for the kernel chosen for this device; return the swapped names.
 
     Layers already on the kernels (KernelLayer: the quantized ones of quant/) pick their kernels per call
@@ -57,8 +59,9 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype, budget_mb: float) ->
     need = sum(m.out_features * m.in_features for m in layers) * torch.empty(0, dtype=dtype).element_size()
     if not layers or need > budget_mb * 2**20:
         if layers:
-            log.info("no dense copies of the quantized layers: %.0f MiB > device.dense_copy_mb=%g", need / 2**20,
-                     budget_mb)
+            log.info(
+                "no dense copies of the quantized layers: %.0f MiB > device.dense_copy_mb=%g", need / 2**20, budget_mb
+            )
         return 0
     kept = sum(m.keep_dense_copy(dtype) for m in layers)
     log.info("dense copies of the quantized layers for many-row steps: %.1f MiB", kept / 2**20)

@@ -5,6 +5,7 @@ defaulting to Llama's choice), the way transformers' "modular" files describe Qw
 edits of Llama. `FAMILIES` names the fixed differences of each HF model_type; the values a checkpoint
 chooses (windows, soft-caps, rotary fraction, rope scaling) are read from its config.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,13 @@ GGUF_FAMILIES: dict[str, dict[str, Any]] = {  # general.architecture -> the same
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "gemma2": {**GGUF_GEMMA, "window_pattern": 2, "scale_by_dim_layers": (46,)},
-    "gemma3": {**GGUF_GEMMA, "qk_norm": True, "window_pattern": 6, "local_theta": 10000.0,
-               "scale_by_dim_layers": (62,)},
+    "gemma3": {
+        **GGUF_GEMMA,
+        "qk_norm": True,
+        "window_pattern": 6,
+        "local_theta": 10000.0,
+        "scale_by_dim_layers": (62,),
+    },
     "phi3": {},
 }
 
@@ -99,9 +105,15 @@ class ModelConfig:
     @property
     def llama_layer(self) -> bool:
         """Every layer is exactly the Llama layer with one rope table: what the fused C++ decode step runs."""
-        return (self.plain_attention and not (self.qk_norm or self.sandwich_norms or self.final_softcap
-                                              or self.rope_local_theta or self.query_scale)
-                and self.activation == "silu" and self.embed_scale == 1.0 and self.rotary_dim == self.head_dim)
+        return (
+            self.plain_attention
+            and not (
+                self.qk_norm or self.sandwich_norms or self.final_softcap or self.rope_local_theta or self.query_scale
+            )
+            and self.activation == "silu"
+            and self.embed_scale == 1.0
+            and self.rotary_dim == self.head_dim
+        )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
@@ -157,8 +169,9 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf_fields(cls, meta: dict[str, Any], has_output_weight: bool,
-                         rope_factors: dict[str, list[float]] | None = None) -> ModelConfig:
+    def from_gguf_fields(
+        cls, meta: dict[str, Any], has_output_weight: bool, rope_factors: dict[str, list[float]] | None = None
+    ) -> ModelConfig:
         """Build from GGUF key/values (`<arch>.*`, as llama.cpp's converter writes them); tied embeddings when
         the file has no output.weight. `rope_factors`: the file's rope_freqs / rope_factors_{long,short} tensors."""
         arch = meta["general.architecture"]
@@ -184,7 +197,10 @@ class ModelConfig:
         gemma = family.get("scale_embeddings", False)
         # llama.cpp's Gemma query scale: 1/sqrt(head_dim), but 1/sqrt(dim / heads) for the 27B models
         attention_scale = key("attention.scale") or (
-            (dim // n_heads if n_layers in family.get("scale_by_dim_layers", ()) else head_dim) ** -0.5 if gemma else 0.0)
+            (dim // n_heads if n_layers in family.get("scale_by_dim_layers", ()) else head_dim) ** -0.5
+            if gemma
+            else 0.0
+        )
         return cls(
             vocab_size=int(key("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
             dim=dim,
@@ -217,10 +233,13 @@ def _gguf_rope_scaling(key: Any, factors: dict[str, list[float]]) -> dict[str, A
     if "rope_freqs" in factors:  # Llama 3.1+: per-frequency divisors (llama3 scaling, precomputed)
         return {"rope_type": "freq_factors", "factors": factors["rope_freqs"]}
     if "rope_factors_long" in factors:  # Phi-3's LongRoPE
-        return {"rope_type": "longrope", "long_factor": factors["rope_factors_long"],
-                "short_factor": factors["rope_factors_short"],
-                "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
-                "attention_factor": float(key("rope.scaling.attn_factor", 1.0))}
+        return {
+            "rope_type": "longrope",
+            "long_factor": factors["rope_factors_long"],
+            "short_factor": factors["rope_factors_short"],
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+            "attention_factor": float(key("rope.scaling.attn_factor", 1.0)),
+        }
     kind = key("rope.scaling.type", "none")
     if kind == "none" or (kind == "linear" and float(key("rope.scaling.factor", 1.0)) == 1.0):
         return None

@@ -5,6 +5,7 @@ its gate+up as ffn_up), interleaves the RoPE halves of q/k rows for the llama ar
 stores Gemma's (1 + w) norms as 1 + w. `linear_sources` says, per decoder Linear, which file
 tensors make it, so the float loader here and the Q4_1 import (quant/gguf_q4.py) read one truth.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,8 +22,14 @@ from inferlab.model.tokenizer import Tokenizer
 
 ROPE_FACTOR_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 # ours <- the file's, per layer, where the layer has them (the sandwich and q/k norms only in those families)
-NORMS = {"attention_norm": "attn_norm", "ffn_norm": "ffn_norm", "post_attention_norm": "post_attention_norm",
-         "post_ffn_norm": "post_ffw_norm", "attention.q_norm": "attn_q_norm", "attention.k_norm": "attn_k_norm"}
+NORMS = {
+    "attention_norm": "attn_norm",
+    "ffn_norm": "ffn_norm",
+    "post_attention_norm": "post_attention_norm",
+    "post_ffn_norm": "post_ffw_norm",
+    "attention.q_norm": "attn_q_norm",
+    "attention.k_norm": "attn_k_norm",
+}
 Source = tuple[str, int | None]  # a file tensor's name (without .weight) and the heads to un-permute it by, if any
 
 
@@ -63,11 +70,20 @@ def linear_sources(config: ModelConfig, arch: str, names: set[str], layer: int) 
     if g + "attn_qkv.weight" in names:
         qkv: list[Source] = [("attn_qkv", None)]
     else:
-        qkv = [("attn_q", config.n_heads if permute else None), ("attn_k", config.n_kv_heads if permute else None),
-               ("attn_v", None)]
-    gate_up: list[Source] = [("ffn_gate", None), ("ffn_up", None)] if g + "ffn_gate.weight" in names else [("ffn_up", None)]
-    return {"attention.wqkv": [(g + n, h) for n, h in qkv], "attention.wo": [(g + "attn_output", None)],
-            "feed_forward.w13": [(g + n, h) for n, h in gate_up], "feed_forward.w2": [(g + "ffn_down", None)]}
+        qkv = [
+            ("attn_q", config.n_heads if permute else None),
+            ("attn_k", config.n_kv_heads if permute else None),
+            ("attn_v", None),
+        ]
+    gate_up: list[Source] = (
+        [("ffn_gate", None), ("ffn_up", None)] if g + "ffn_gate.weight" in names else [("ffn_up", None)]
+    )
+    return {
+        "attention.wqkv": [(g + n, h) for n, h in qkv],
+        "attention.wo": [(g + "attn_output", None)],
+        "feed_forward.w13": [(g + n, h) for n, h in gate_up],
+        "feed_forward.w2": [(g + "ffn_down", None)],
+    }
 
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:

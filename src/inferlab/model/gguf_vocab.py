@@ -6,6 +6,7 @@ for Gemma, whose scores do not follow its merge order). Text is spelled with "â–
 bytes fall back to the <0xNN> tokens, and a leading "â–" is prepended to the first word, as
 transformers rebuilds these files (and as llama.cpp tokenizes them).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -30,8 +31,9 @@ def gguf_backend(meta: dict[str, Any]) -> tuple[HFTokenizer, list[int]]:
     if kind == "gpt2":
         backend = _byte_level(tokens, list(meta.get("tokenizer.ggml.merges", [])))
     else:
-        backend = _sentencepiece(tokens, list(meta.get("tokenizer.ggml.scores", [])), types,
-                                 meta.get("general.architecture", "llama"))
+        backend = _sentencepiece(
+            tokens, list(meta.get("tokenizer.ggml.scores", [])), types, meta.get("general.architecture", "llama")
+        )
     control = [i for i, t in enumerate(types) if t == GGUF_TOKEN_CONTROL]
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control])
     vocab = backend.get_vocab()
@@ -71,8 +73,15 @@ def _sentencepiece(tokens: list[str], scores: list[float], types: list[int], arc
     if len(scores) != len(tokens):
         raise ModelLoadError("SentencePiece GGUF without tokenizer.ggml.scores: cannot rebuild its merges")
     unknown = next((tokens[i] for i, t in enumerate(types) if t == GGUF_TOKEN_UNKNOWN), None)
-    backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges_from_vocab(tokens, scores),
-                                     unk_token=unknown, fuse_unk=True, byte_fallback=True))
+    backend = HFTokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=merges_from_vocab(tokens, scores),
+            unk_token=unknown,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if gemma:  # spaces spelled by a normalizer, no prefix space
         backend.normalizer = normalizers.Replace(" ", SPACE)

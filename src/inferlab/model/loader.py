@@ -4,6 +4,7 @@ Every path builds the model on the meta device and fills it with `load_state_dic
 the weights exist once in memory. Checkpoint q/k/v and gate/up rows are concatenated into the fused
 `wqkv` and `w13` projections.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -32,8 +33,9 @@ class LoadedModel:
     gguf_path: Path | None = None  # the GGUF file, when the weights came from one (int4 imports its blocks)
 
 
-def load_model(spec: dict[str, Any], dtype: torch.dtype, device: torch.device, max_seq_len: int,
-               seed: int = 0) -> LoadedModel:
+def load_model(
+    spec: dict[str, Any], dtype: torch.dtype, device: torch.device, max_seq_len: int, seed: int = 0
+) -> LoadedModel:
     """`spec` is the resolved `model` config group (conf/model/*.yaml)."""
     path = spec.get("path")
     if path:
@@ -48,10 +50,20 @@ def load_model(spec: dict[str, Any], dtype: torch.dtype, device: torch.device, m
     if source == "random":
         config = ModelConfig.from_dict(dict(spec["architecture"]))
         tokenizer_spec = spec["tokenizer"]
-        tok_path = locate_package_file(tokenizer_spec["package"], tokenizer_spec["file"], tokenizer_spec.get("install", ""))
+        tok_path = locate_package_file(
+            tokenizer_spec["package"], tokenizer_spec["file"], tokenizer_spec.get("install", "")
+        )
         tokenizer = Tokenizer.from_gguf_fields(read_gguf_fields(tok_path))
-        return _finish(config, _random_init(config, seed), tokenizer, f"random-init {spec['name']}", None,
-                       dtype, device, max_seq_len)
+        return _finish(
+            config,
+            _random_init(config, seed),
+            tokenizer,
+            f"random-init {spec['name']}",
+            None,
+            dtype,
+            device,
+            max_seq_len,
+        )
     raise ModelLoadError(f"model {spec.get('name')!r} has no weights: set model.path=DIR (HF checkpoint) or FILE.gguf")
 
 
@@ -65,8 +77,16 @@ def locate_package_file(package: str, file: str, install_hint: str) -> Path:
     raise ModelLoadError(f"{file} not found: package {package!r} is not installed; run `{install_hint}`")
 
 
-def _finish(config: ModelConfig, state: dict[str, Tensor], tokenizer: Tokenizer, source: str,
-            gguf_path: Path | None, dtype: torch.dtype, device: torch.device, max_seq_len: int) -> LoadedModel:
+def _finish(
+    config: ModelConfig,
+    state: dict[str, Tensor],
+    tokenizer: Tokenizer,
+    source: str,
+    gguf_path: Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_seq_len: int,
+) -> LoadedModel:
     config.max_seq_len = min(config.max_seq_len, max_seq_len)
     with torch.device("meta"):
         model = Transformer(config)
@@ -77,7 +97,9 @@ def _finish(config: ModelConfig, state: dict[str, Tensor], tokenizer: Tokenizer,
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (config.tie_embeddings and k == "output.weight")]
     if missing or unexpected:
-        raise ModelLoadError(f"{source}: weights do not match the architecture (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ModelLoadError(
+            f"{source}: weights do not match the architecture (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     if config.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.reset_rope()
@@ -89,8 +111,10 @@ def _random_init(config: ModelConfig, seed: int) -> dict[str, Tensor]:
     generator = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(config).state_dict().items()}
-    state = {k: torch.ones(s) if k.endswith("norm.weight") else torch.randn(s, generator=generator) * 0.02
-             for k, s in shapes.items()}
+    state = {
+        k: torch.ones(s) if k.endswith("norm.weight") else torch.randn(s, generator=generator) * 0.02
+        for k, s in shapes.items()
+    }
     return state
 
 
@@ -110,8 +134,10 @@ _HF_SANDWICH_NAMES = {  # Gemma: post_attention_layernorm is the attention outpu
     "self_attn.o_proj.weight": "attention.wo.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
 }
-_HF_QK_NORM_NAMES = {"self_attn.q_norm.weight": "attention.q_norm.weight",
-                     "self_attn.k_norm.weight": "attention.k_norm.weight"}
+_HF_QK_NORM_NAMES = {
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
+}
 _HF_FUSED = {  # ours <- the checkpoint's parts, concatenated by rows: split (Llama) or already fused (Phi-3)
     "attention.wqkv": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.qkv_proj"]),
     "feed_forward.w13": (["mlp.gate_proj", "mlp.up_proj"], ["mlp.gate_up_proj"]),
@@ -157,6 +183,8 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, 
             for suffix in ("weight", "bias") if dst == "attention.wqkv" and config.qkv_bias else ("weight",):
                 tensor = fused(hf_layer, splits, suffix)
                 if tensor is None:
-                    raise ModelLoadError(f"{path}: layer {i} has no {' or '.join('+'.join(s) for s in splits)} {suffix}")
+                    raise ModelLoadError(
+                        f"{path}: layer {i} has no {' or '.join('+'.join(s) for s in splits)} {suffix}"
+                    )
                 state[f"{ours}{dst}.{suffix}"] = tensor
     return config, state, Tokenizer.from_hf_dir(path)

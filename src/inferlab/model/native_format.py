@@ -5,6 +5,7 @@ as they are into int4, Q8_0 into int8, 16-bit floats run as bf16 (CPUs have bf16
 fp16 ones) and F32 as fp32. An HF checkpoint runs in its config's dtype. Random init has no stored
 format and runs in fp32, the reference precision.
 """
+
 from __future__ import annotations
 
 import json

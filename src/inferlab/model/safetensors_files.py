@@ -6,6 +6,7 @@ agree) and is dropped right after: a bf16 checkpoint loaded in bf16 never exists
 fp32 only ever adds one tensor in flight. Memory-mapping the files instead would keep every page
 read resident, counted in the process's RSS beside the converted copies, until the file is closed.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,18 @@ from torch import Tensor
 
 from inferlab.errors import ModelLoadError
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
 """Tokenizer: a `tokenizers` pipeline (byte-level or SentencePiece BPE) plus what generation needs (BOS/EOS ids, chat template)."""
+
 from __future__ import annotations
 
 import json
@@ -38,12 +39,15 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template: pass raw text (chat=false)")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = _raise_template_error
         bos = self.token_text(self.bos_id) if self.bos_id is not None else ""
         eos = self.token_text(min(self.eos_ids)) if self.eos_ids else ""
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
 
     def save_hf_dir(self, path: Path, model_max_length: int) -> Path:
         """Write this tokenizer as a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json),
@@ -52,9 +56,13 @@ class Tokenizer:
         path.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(path / "tokenizer.json"))
         names = {"bos_token": self.bos_id, "eos_token": min(self.eos_ids) if self.eos_ids else None}
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
-                  "add_bos_token": self.add_bos, "clean_up_tokenization_spaces": False,
-                  **{name: self.token_text(i) for name, i in names.items() if i is not None}}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": model_max_length,
+            "add_bos_token": self.add_bos,
+            "clean_up_tokenization_spaces": False,
+            **{name: self.token_text(i) for name, i in names.items() if i is not None},
+        }
         if self.chat_template:
             config["chat_template"] = self.chat_template
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
@@ -94,8 +102,14 @@ class Tokenizer:
         if template is None and (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text()
         special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
-        return cls(backend=backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=bool(tok_cfg.get("add_bos_token", False)),
-                   chat_template=template, special_ids=special)
+        return cls(
+            backend=backend,
+            bos_id=bos_id,
+            eos_ids=eos_ids,
+            add_bos=bool(tok_cfg.get("add_bos_token", False)),
+            chat_template=template,
+            special_ids=special,
+        )
 
 
 class IncrementalDetokenizer:
@@ -112,12 +126,12 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
 
 def _raise_template_error(message: str) -> None:

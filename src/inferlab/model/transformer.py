@@ -8,6 +8,7 @@ q/k/v and gate/up are fused into one Linear each (loaders concatenate the checkp
 decode step runs 4 matrix-vector products per layer instead of 7. Attention is delegated to an
 `attend` callable so one model serves every cache layout: recompute, contiguous slots, paged blocks.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,11 +41,13 @@ class Attend(Protocol):
     """Writes this step's k/v where the cache keeps them and attends q over everything visible."""
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, span: AttentionSpan = PLAIN) -> Tensor: ...
+
     # q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, T, head_dim) -> (B, n_heads, T, head_dim)
 
 
-def attend_over(q: Tensor, keys: Tensor, values: Tensor, query_index: Tensor, span: AttentionSpan,
-                mask: Tensor | None = None) -> Tensor:
+def attend_over(
+    q: Tensor, keys: Tensor, values: Tensor, query_index: Tensor, span: AttentionSpan, mask: Tensor | None = None
+) -> Tensor:
     """Causal attention narrowed to `span`, for every cache layout: keys are indexed 0..L-1 in order.
 
     q: (B, H, T, D); keys, values: (B, H_kv, L, D); query_index: (T,) or (B, T), each query's index on the
@@ -100,8 +103,8 @@ def rope_frequencies(config: ModelConfig, local: bool = False) -> tuple[Tensor, 
     if kind == "longrope":
         long = config.max_seq_len > s["original_max_position_embeddings"]
         factors = torch.tensor(s["long_factor"] if long else s["short_factor"], dtype=torch.float64)
-        return (1.0 / (factors * theta ** exponents)).float(), float(s["attention_factor"])
-    inv_freq = 1.0 / (theta ** exponents)
+        return (1.0 / (factors * theta**exponents)).float(), float(s["attention_factor"])
+    inv_freq = 1.0 / (theta**exponents)
     if kind == "freq_factors":  # a GGUF's rope_freqs: llama.cpp divides each frequency by its factor
         inv_freq = inv_freq / torch.tensor(s["factors"], dtype=torch.float64)
     elif kind == "linear":
@@ -262,8 +265,9 @@ class Transformer(nn.Module):
             self.register_buffer(f"{name}_cos", cos.to(weight.dtype), persistent=False)
             self.register_buffer(f"{name}_sin", sin.to(weight.dtype), persistent=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor, attend: Attend = causal_attend,
-                last_only: bool = False) -> Tensor:
+    def forward(
+        self, tokens: Tensor, positions: Tensor, attend: Attend = causal_attend, last_only: bool = False
+    ) -> Tensor:
         # tokens, positions: (B, T) -> logits (B, T, vocab), or (B, 1, vocab) with last_only
         x = self.tok_embeddings(tokens)
         if self.config.embed_scale != 1.0:

@@ -5,6 +5,7 @@ perplexity is most sensitive to (llama.cpp's 4-bit files keep it at 6-8 bits; th
 the tied embedding at Q8_0). A tied embedding then looks its rows up in the head's int8 matrix, so
 the two still share one copy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,9 +46,11 @@ class QuantReport:
     def summary(self) -> str:
         sources = sorted({layer.source for layer in self.layers})
         kernels = sorted({layer.kernel for layer in self.layers})
-        return (f"{self.mode}{f' g={self.group_size}' if self.group_size else ''}: {len(self.layers)} Linears "
-                f"(from {', '.join(sources)}; kernels {', '.join(kernels)}), weights "
-                f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB")
+        return (
+            f"{self.mode}{f' g={self.group_size}' if self.group_size else ''}: {len(self.layers)} Linears "
+            f"(from {', '.join(sources)}; kernels {', '.join(kernels)}), weights "
+            f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB"
+        )
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -75,8 +78,9 @@ def _kernel(module: nn.Module) -> str:
     return "int8pack" if module.use_kernel and int8_kernel_fits(device, module.scales.dtype) else "rows"
 
 
-def quantize_model(model: nn.Module, mode: str, group_size: int | None = None, gguf_path: Path | None = None,
-                   use_kernel: bool = True) -> QuantReport:
+def quantize_model(
+    model: nn.Module, mode: str, group_size: int | None = None, gguf_path: Path | None = None, use_kernel: bool = True
+) -> QuantReport:
     """Quantize in place; with `gguf_path`, int4 at group size 32 imports the file's Q4_1 blocks losslessly.
 
     `group_size` applies to int4 only (None -> 64). Checks every layer before changing any, so a refused
@@ -88,7 +92,9 @@ def quantize_model(model: nn.Module, mode: str, group_size: int | None = None, g
         raise QuantizationError("the model is already quantized; load it again to quantize another way")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     if not linears:
-        raise QuantizationError("the model has no nn.Linear layers to quantize (quantize before swapping in other kernels)")
+        raise QuantizationError(
+            "the model has no nn.Linear layers to quantize (quantize before swapping in other kernels)"
+        )
     if mode == "int4":
         group_size = group_size or 64
         for name, linear in linears.items():
@@ -99,7 +105,9 @@ def quantize_model(model: nn.Module, mode: str, group_size: int | None = None, g
                     raise QuantizationError(f"{name}: {e}") from None
     else:
         group_size = None
-    imported = read_q4_1_linears(gguf_path, model.config) if gguf_path and mode == "int4" and group_size == Q4_1_GROUP else {}
+    imported = (
+        read_q4_1_linears(gguf_path, model.config) if gguf_path and mode == "int4" and group_size == Q4_1_GROUP else {}
+    )
 
     report = QuantReport(mode, group_size, bytes_before=weight_bytes(model))
     for name, linear in linears.items():
@@ -107,9 +115,16 @@ def quantize_model(model: nn.Module, mode: str, group_size: int | None = None, g
             new: nn.Module = Int8Linear(linear, use_kernel=use_kernel)
         else:
             new = Int4GroupLinear(linear, group_size, use_kernel=use_kernel, codes=imported.get(name))
-        report.layers.append(LayerQuant(name, "int8" if isinstance(new, Int8Linear) else "int4",
-                                        "gguf_q4_1" if name in imported else "quantized", _kernel(new),
-                                        module_bytes(linear), module_bytes(new)))
+        report.layers.append(
+            LayerQuant(
+                name,
+                "int8" if isinstance(new, Int8Linear) else "int4",
+                "gguf_q4_1" if name in imported else "quantized",
+                _kernel(new),
+                module_bytes(linear),
+                module_bytes(new),
+            )
+        )
         _set_submodule(model, name, new)
         if name == HEAD and linear.weight is getattr(getattr(model, "tok_embeddings", None), "weight", None):
             model.tok_embeddings = Int8Embedding(new)

@@ -4,6 +4,7 @@ A Q4_1 block is 32 weights: fp16 d, fp16 m, then 16 bytes whose byte i holds wei
 and weight i + 16 (high nibble); w = d * q + m. Rows are fused and un-permuted exactly as the loader
 does with the dequantized weights (permuting whole rows of a row-wise quantized matrix is lossless).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,8 +28,11 @@ def q4_1_codes(blocks: np.ndarray) -> Codes:
     m = b[:, 2:4].copy().view(np.float16).astype(np.float32)
     qs = b[:, 4:]
     codes = np.concatenate((qs & 0x0F, qs >> 4), axis=1)  # (N * G, 32)
-    return (torch.from_numpy(codes).reshape(n, -1), torch.from_numpy(d).reshape(n, -1),
-            torch.from_numpy(m).reshape(n, -1))
+    return (
+        torch.from_numpy(codes).reshape(n, -1),
+        torch.from_numpy(d).reshape(n, -1),
+        torch.from_numpy(m).reshape(n, -1),
+    )
 
 
 def _rows(codes: Codes, fix) -> Codes:

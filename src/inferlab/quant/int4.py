@@ -2,6 +2,7 @@
 
 w ≈ q * scale + min with q in [0, 15] (the convention of GGUF's Q4_1, so its blocks import as they are).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,10 @@ def check_group_size(group_size: int, in_features: int) -> None:
     if group_size not in GROUP_SIZES:
         raise QuantizationError(f"int4 group_size={group_size} is not supported; use one of {list(GROUP_SIZES)}")
     if in_features % group_size:
-        raise QuantizationError(f"in_features={in_features} is not divisible by int4 group_size={group_size}; "
-                                f"pick a group size that divides it or leave this layer unquantized")
+        raise QuantizationError(
+            f"in_features={in_features} is not divisible by int4 group_size={group_size}; "
+            f"pick a group size that divides it or leave this layer unquantized"
+        )
 
 
 def pack_nibbles(codes: Tensor) -> Tensor:
@@ -63,21 +66,32 @@ class Int4GroupLinear(nn.Module):
     (kernels/layer.py): the gemv kernel reads the nibble rows.
     """
 
-    def __init__(self, linear: nn.Linear, group_size: int = 64, use_kernel: bool = True,
-                 codes: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group_size: int = 64,
+        use_kernel: bool = True,
+        codes: tuple[Tensor, Tensor, Tensor] | None = None,
+    ) -> None:
         super().__init__()
         check_group_size(group_size, linear.in_features)
         weight = linear.weight
         q, scales, mins = codes if codes is not None else quantize_groups_int4(weight.detach(), group_size)
         self.in_features, self.out_features, self.group_size = linear.in_features, linear.out_features, group_size
-        self.layout = int4_layout(weight.device, weight.dtype, self.out_features, self.in_features) if use_kernel else "rows"
+        self.layout = (
+            int4_layout(weight.device, weight.dtype, self.out_features, self.in_features) if use_kernel else "rows"
+        )
         self.use_kernel = use_kernel
         if self.layout == "rows":  # scales and mins kept in fp32: the kernel reads them so, the reference too
             self.register_buffer("weight", pack_nibbles(q.to(weight.device)))  # (N, K/2)
             self.register_buffer("scales", scales.to(weight.device, torch.float32))  # (N, G)
             self.register_buffer("mins", mins.to(weight.device, torch.float32))
         else:
-            q, scales, mins = q.to(weight.device), scales.to(weight.device, weight.dtype), mins.to(weight.device, weight.dtype)
+            q, scales, mins = (
+                q.to(weight.device),
+                scales.to(weight.device, weight.dtype),
+                mins.to(weight.device, weight.dtype),
+            )
             self.register_buffer("weight", to_int4pack(q, self.layout))
             self.register_buffer("scales_and_zeros", int4pack_scales_and_zeros(scales, mins))  # (G, N, 2)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
@@ -93,7 +107,9 @@ class Int4GroupLinear(nn.Module):
     def dequantize(self) -> Tensor:
         """The fp32 weights (N, K) the reference layout holds."""
         if self.layout != "rows":
-            raise QuantizationError(f"weights in the {self.layout} int4pack layout are opaque; build with use_kernel=False")
+            raise QuantizationError(
+                f"weights in the {self.layout} int4pack layout are opaque; build with use_kernel=False"
+            )
         return dequantize_groups_int4(unpack_nibbles(self.weight), self.scales, self.mins)
 
     def kernel_weights(self) -> KernelWeights | None:
@@ -112,12 +128,16 @@ class Int4GroupLinear(nn.Module):
         if self.layout == "rows":
             return F.linear(x, self.dequantize().to(x.dtype), self.bias)
         if x.device.type != self.layout:
-            raise QuantizationError(f"int4 weights packed for {self.layout} cannot run on {x.device}; "
-                                    f"quantize on the device the model runs on")
+            raise QuantizationError(
+                f"int4 weights packed for {self.layout} cannot run on {x.device}; "
+                f"quantize on the device the model runs on"
+            )
         y = int4_mm(x.reshape(-1, self.in_features), self.weight, self.group_size, self.scales_and_zeros, self.layout)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, layout={self.layout}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, layout={self.layout}"
+        )

@@ -1,4 +1,5 @@
 """INT8 weight-only quantization: symmetric absmax per output channel, read as int8 by the matmul."""
+
 from __future__ import annotations
 
 import torch

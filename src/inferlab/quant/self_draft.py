@@ -8,6 +8,7 @@ never held twice. Its decoder Linears are quantized like precision=int4|int8 qua
 groups of 32, so a GGUF's Q4_1 blocks import as they are; the LM head at int8, a tied embedding reading
 the head's int8 rows).
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,8 +46,9 @@ def check_draft_precision(target: Transformer, draft_precision: str) -> None:
     if BYTES_PER_WEIGHT[draft_precision] >= BYTES_PER_WEIGHT[target_format]:
         smaller = [p for p in DRAFT_PRECISIONS if BYTES_PER_WEIGHT[p] < BYTES_PER_WEIGHT[target_format]]
         fix = f"use spec.draft_precision={smaller[0]}" if smaller else "use a float or int8 target, or spec=ngram"
-        raise QuantizationError(f"spec=self: an {draft_precision} draft reads no fewer bytes than this "
-                                f"{target_format} target; {fix}")
+        raise QuantizationError(
+            f"spec=self: an {draft_precision} draft reads no fewer bytes than this {target_format} target; {fix}"
+        )
 
 
 def self_draft(target: Transformer, draft_precision: str, gguf_path: Path | None = None) -> Transformer:
@@ -81,8 +83,13 @@ def float_linear(layer: nn.Module) -> nn.Module:
     """`layer` with a float `weight` to quantize from: itself, or an int8 layer's dequantized copy (transient)."""
     if not isinstance(layer, Int8Linear):
         return layer
-    dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                      device=layer.weight.device, dtype=layer.scales.dtype)
+    dense = nn.Linear(
+        layer.in_features,
+        layer.out_features,
+        bias=layer.bias is not None,
+        device=layer.weight.device,
+        dtype=layer.scales.dtype,
+    )
     with torch.no_grad():
         dense.weight.copy_(layer.dequantize())
         if layer.bias is not None:

@@ -1,4 +1,5 @@
 """The report: every result.json under outputs/ -> one CSV -> tables, PNG charts and the Markdown report."""
+
 from importlib.util import find_spec
 
 MISSING = [name for name in ("pandas", "matplotlib", "tabulate") if find_spec(name) is None]

@@ -3,6 +3,7 @@
 Re-running a job adds a newer result.json; only the newest result per (study, overrides) is kept, so the
 report always shows the latest measurement of each configuration.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,27 @@ from typing import Any
 
 import pandas as pd
 
-META = ("study", "sweep", "status", "error", "size", "model", "precision", "cache", "spec", "target", "load",
-        "device", "timestamp", "git_commit", "cpu_model", "cpu_isa", "gpu", "torch_threads", "job")
+META = (
+    "study",
+    "sweep",
+    "status",
+    "error",
+    "size",
+    "model",
+    "precision",
+    "cache",
+    "spec",
+    "target",
+    "load",
+    "device",
+    "timestamp",
+    "git_commit",
+    "cpu_model",
+    "cpu_isa",
+    "gpu",
+    "torch_threads",
+    "job",
+)
 IGNORED_OVERRIDES = ("results_root", "hydra.")
 
 
@@ -54,11 +74,21 @@ def collect(root: Path) -> pd.DataFrame:
 
 def _meta(result: dict[str, Any]) -> dict[str, Any]:
     choices, env, config = result.get("choices", {}), result.get("env", {}), result.get("config", {})
-    meta = {"study": result["study"], "sweep": result.get("sweep"), "status": result["status"],
-            "error": result.get("error"), "size": config.get("measure", {}).get("size"),
-            **{k: choices.get(k) for k in ("model", "precision", "cache", "spec", "target", "load", "device")},
-            "timestamp": env.get("timestamp"), "git_commit": (env.get("git_commit") or "")[:10],
-            "cpu_model": env.get("cpu_model"), "cpu_isa": env.get("cpu_isa"), "gpu": env.get("gpu"), "torch_threads": env.get("torch_threads"), "job": result["job"]}
+    meta = {
+        "study": result["study"],
+        "sweep": result.get("sweep"),
+        "status": result["status"],
+        "error": result.get("error"),
+        "size": config.get("measure", {}).get("size"),
+        **{k: choices.get(k) for k in ("model", "precision", "cache", "spec", "target", "load", "device")},
+        "timestamp": env.get("timestamp"),
+        "git_commit": (env.get("git_commit") or "")[:10],
+        "cpu_model": env.get("cpu_model"),
+        "cpu_isa": env.get("cpu_isa"),
+        "gpu": env.get("gpu"),
+        "torch_threads": env.get("torch_threads"),
+        "job": result["job"],
+    }
     for override in result["overrides"]:  # an unavailable value's group, e.g. precision=int8
         key, _, value = override.partition("=")
         if key in meta and meta[key] is None:

@@ -15,6 +15,7 @@ Each study's `report.chart` (conf/study/NAME.yaml) says what to draw, so a new s
 A panel's keys may also sit at the top level for a one-panel chart. Columns the CSV lacks are skipped.
 The caption names the hardware (with its instruction set), torch threads and commit the numbers came from.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -62,13 +63,18 @@ def chart(frame: pd.DataFrame, spec: dict[str, Any], title: str, path: Path) -> 
 
 def caption(frame: pd.DataFrame) -> str:
     """Where the numbers were measured: CPU and its instruction set (and GPU), torch threads, commit."""
+
     def values(column: str) -> str:
         found = frame[column].dropna().astype(str).unique() if column in frame else []
         return ", ".join(v.removesuffix(".0") for v in sorted(found))
 
     cpu = values("cpu_model") + (f" ({values('cpu_isa')})" if values("cpu_isa") else "")
-    parts = [cpu, values("gpu"), values("torch_threads") and f"{values('torch_threads')} torch threads",
-             values("git_commit") and f"commit {values('git_commit')}"]
+    parts = [
+        cpu,
+        values("gpu"),
+        values("torch_threads") and f"{values('torch_threads')} torch threads",
+        values("git_commit") and f"commit {values('git_commit')}",
+    ]
     return "Measured on " + " · ".join(p for p in parts if p)
 
 
@@ -93,7 +99,9 @@ def _label(value: Any, spec: dict[str, Any]) -> str:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     text = str(value)
-    return str(names.get(text, names.get(value, text)) if not isinstance(value, bool) else names.get(text.lower(), text))
+    return str(
+        names.get(text, names.get(value, text)) if not isinstance(value, bool) else names.get(text.lower(), text)
+    )
 
 
 def _key(frame: pd.DataFrame, columns: list[str], spec: dict[str, Any]) -> pd.Series:
@@ -109,8 +117,12 @@ def _groups(frame: pd.DataFrame, columns: list[str], spec: dict[str, Any]) -> li
     groups = {}
     for values, rows in frame.groupby(columns, sort=False):
         groups[values if isinstance(values, tuple) else (values,)] = rows
-    keys = sorted(groups, key=lambda values: [_ordered(list(frame[c].dropna().unique()), c, spec).index(v)
-                                              for c, v in zip(columns, values)])
+    keys = sorted(
+        groups,
+        key=lambda values: [
+            _ordered(list(frame[c].dropna().unique()), c, spec).index(v) for c, v in zip(columns, values)
+        ],
+    )
     return [(", ".join(f"{c}={_label(v, spec)}" for c, v in zip(columns, values)), groups[values]) for values in keys]
 
 
@@ -120,7 +132,11 @@ def _ordered(values: list[Any], column: str, spec: dict[str, Any]) -> list[Any]:
 
     def rank(value: Any) -> tuple[int, bool, Any]:
         hits = [i for i, name in enumerate(first) if str(value) == name or str(value).startswith(name + " ")]
-        return (hits[0] if hits else len(first), isinstance(value, str), value if not isinstance(value, str) else str(value))
+        return (
+            hits[0] if hits else len(first),
+            isinstance(value, str),
+            value if not isinstance(value, str) else str(value),
+        )
 
     return sorted(values, key=rank)
 
@@ -132,7 +148,8 @@ def _table(rows: pd.DataFrame, spec: dict[str, Any], panel: dict[str, Any]) -> t
     rows = rows[rows[x].notna()]
     if series:
         table = rows.assign(_series=_key(rows, series, spec)).pivot_table(
-            index=x, columns="_series", values=ys[0], aggfunc="median")
+            index=x, columns="_series", values=ys[0], aggfunc="median"
+        )
         table = table.reindex(columns=_ordered(list(table.columns), series[0], spec))
     else:
         table = rows.groupby(x)[ys].median()

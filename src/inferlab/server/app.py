@@ -3,6 +3,7 @@
 Handlers validate, submit and relay; they never touch tensors. The engine's own loop (or worker
 thread) owns the model and the KV memory.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -29,8 +30,9 @@ PLAYGROUND = Path(__file__).with_name("static") / "playground.html"
 
 
 def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: str) -> FastAPI:
-    app = FastAPI(title="inferlab", summary="LLM inference server: SSE streaming and OpenAI-compatible routes",
-                  version="0.1.0")
+    app = FastAPI(
+        title="inferlab", summary="LLM inference server: SSE streaming and OpenAI-compatible routes", version="0.1.0"
+    )
     guards = Guards(settings)
     metrics = ServerMetrics(settings.metrics_window, engine.stats)
     dispatcher = Dispatcher(engine, settings)
@@ -52,8 +54,12 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
             raise ShuttingDownError("the server is shutting down")
         return {"status": "ok", "model": model_name}
 
-    @app.get("/metrics", response_class=Response, summary="Prometheus text format",
-             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        summary="Prometheus text format",
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
     def prometheus() -> Response:
         return Response(metrics.prometheus(), media_type=CONTENT_TYPE_LATEST)
 
@@ -61,8 +67,14 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
     def json_metrics() -> dict[str, Any]:
         return metrics.snapshot()
 
-    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "inferlab", "root": model_name,
-            "max_model_len": engine.config.max_seq_len}
+    card = {
+        "id": model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "inferlab",
+        "root": model_name,
+        "max_model_len": engine.config.max_seq_len,
+    }
 
     @app.get("/v1/models", responses=errors(settings, 401))
     def models() -> dict[str, Any]:
@@ -71,8 +83,9 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
     @app.get("/v1/models/{model_id:path}", responses=errors(settings, 401, 404))
     def model(model_id: str) -> dict[str, Any]:
         if model_id != model_name:
-            raise NotFoundError(f"model {model_id!r} is not served here; this server serves {model_name!r}",
-                                param="model")
+            raise NotFoundError(
+                f"model {model_id!r} is not served here; this server serves {model_name!r}", param="model"
+            )
         return card
 
     @app.post("/v1/generate", responses=generation_errors)
@@ -82,16 +95,31 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
         text, token_ids, last = await job.collect()
         t = last.timings
         return GenerateResponse(
-            id=record.id, text=text, token_ids=token_ids, finish_reason=last.finish_reason,
-            usage=Usage(prompt_tokens=t.prompt_tokens, completion_tokens=t.completion_tokens,
-                        total_tokens=t.prompt_tokens + t.completion_tokens),
-            ttft_ms=t.ttft_ms, tpot_ms=t.tpot_ms, tokens_per_sec=t.tokens_per_sec, total_ms=t.total_ms)
+            id=record.id,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=last.finish_reason,
+            usage=Usage(
+                prompt_tokens=t.prompt_tokens,
+                completion_tokens=t.completion_tokens,
+                total_tokens=t.prompt_tokens + t.completion_tokens,
+            ),
+            ttft_ms=t.ttft_ms,
+            tpot_ms=t.tpot_ms,
+            tokens_per_sec=t.tokens_per_sec,
+            total_ms=t.total_ms,
+        )
 
-    @app.post("/v1/generate/stream", response_class=EventStreamResponse,
-              status_code=200, responses={200: {"content": {"text/event-stream": {}}}, **generation_errors})
+    @app.post(
+        "/v1/generate/stream",
+        response_class=EventStreamResponse,
+        status_code=200,
+        responses={200: {"content": {"text/event-stream": {}}}, **generation_errors},
+    )
     async def generate_stream(body: GenerateRequest, request: Request) -> EventStreamResponse:
-        job = await dispatcher.start(request.state.record, body.sampling_overrides(), body.max_new_tokens,
-                                     body.prompt, body.chat)
+        job = await dispatcher.start(
+            request.state.record, body.sampling_overrides(), body.max_new_tokens, body.prompt, body.chat
+        )
         return EventStreamResponse(job.sse(native_chunks))
 
     app.include_router(openai.router(dispatcher, model_name, generation_errors))
@@ -109,6 +137,14 @@ def native_chunks(event: StreamEvent) -> Iterable[dict[str, Any]]:
         yield chunk
         return
     t = event.timings
-    yield {"index": event.index, "text": event.text, "finish_reason": event.finish_reason,
-           "prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens, "ttft_ms": t.ttft_ms,
-           "tpot_ms": t.tpot_ms, "tokens_per_sec": t.tokens_per_sec, "total_ms": t.total_ms}
+    yield {
+        "index": event.index,
+        "text": event.text,
+        "finish_reason": event.finish_reason,
+        "prompt_tokens": t.prompt_tokens,
+        "completion_tokens": t.completion_tokens,
+        "ttft_ms": t.ttft_ms,
+        "tpot_ms": t.tpot_ms,
+        "tokens_per_sec": t.tokens_per_sec,
+        "total_ms": t.total_ms,
+    }

@@ -4,6 +4,7 @@ Every error leaves as `{"error": {"code", "message", "type", "param"}}` (OpenAI'
 `param` the request field at fault or null) with a status from `STATUS`; a bug leaves as a 500
 `internal_error` whose trace is logged server-side only.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -64,7 +65,9 @@ def error_response(error: InferlabError) -> JSONResponse:
         headers = {"Retry-After": str(error.retry_after_s)}
     elif isinstance(error, UnauthorizedError):
         headers = {"WWW-Authenticate": "Bearer"}
-    return JSONResponse(envelope(error.code, _one_line(error), error.param), STATUS.get(error.code, 500), headers=headers)
+    return JSONResponse(
+        envelope(error.code, _one_line(error), error.param), STATUS.get(error.code, 500), headers=headers
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -80,8 +83,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         phrase = HTTPStatus(error.status_code).phrase
-        return JSONResponse(envelope(phrase.lower().replace(" ", "_"), str(error.detail or phrase)),
-                            error.status_code, headers=error.headers)
+        return JSONResponse(
+            envelope(phrase.lower().replace(" ", "_"), str(error.detail or phrase)),
+            error.status_code,
+            headers=error.headers,
+        )
 
     @app.exception_handler(Exception)
     async def bug(request: Request, error: Exception) -> JSONResponse:
@@ -139,8 +145,12 @@ class Gate:
         if scope["type"] == "http":
             client = scope.get("client")
             try:
-                self.guards.check(scope["method"], scope["path"], Headers(scope=scope).get("authorization"),
-                                  client[0] if client else "unknown")
+                self.guards.check(
+                    scope["method"],
+                    scope["path"],
+                    Headers(scope=scope).get("authorization"),
+                    client[0] if client else "unknown",
+                )
             except InferlabError as error:
                 return await error_response(error)(scope, receive, send)
         await self.app(scope, receive, send)

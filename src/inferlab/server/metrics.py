@@ -4,6 +4,7 @@ folded into the JSON (/v1/metrics) and Prometheus (/metrics) views.
 TTFT and TPOT are taken server-side with vLLM's serving-benchmark definitions: TTFT = request arrival -> first
 token ready to send; TPOT = (E2E - TTFT) / (completion_tokens - 1).
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,13 +56,18 @@ class ServerMetrics:
         self.engine_stats = engine_stats
         self.recent: dict[str, deque[float]] = {k: deque(maxlen=window) for k in ("ttft_ms", "tpot_ms", "e2e_ms")}
         self.registry = CollectorRegistry()  # one per app, so tests can build many apps in one process
-        self.requests = Counter("inferlab_requests", "HTTP requests by route and status", ["route", "status"],
-                                registry=self.registry)
+        self.requests = Counter(
+            "inferlab_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        )
         self.tokens = Counter("inferlab_tokens", "Tokens processed", ["kind"], registry=self.registry)
         self.latency = {
             name: Histogram(f"inferlab_{name}_seconds", help, buckets=LATENCY_BUCKETS_S, registry=self.registry)
-            for name, help in (("ttft", "Request arrival to first token"), ("tpot", "Time per output token"),
-                               ("e2e", "Request arrival to last token"))}
+            for name, help in (
+                ("ttft", "Request arrival to first token"),
+                ("tpot", "Time per output token"),
+                ("e2e", "Request arrival to last token"),
+            )
+        }
         self.registry.register(_EngineCollector(engine_stats))
         ProcessCollector(registry=self.registry)
         self.process = psutil.Process()
@@ -78,14 +84,30 @@ class ServerMetrics:
             for name, value in (("ttft", ttft), ("tpot", tpot), ("e2e", total_ms)):
                 self.recent[f"{name}_ms"].append(value)
                 self.latency[name].observe(value / 1e3)
-        fields = {"request_id": record.id, "method": record.method, "path": record.path, "status": status,
-                  "prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
-                  "ttft_ms": round(ttft, 1) if ttft is not None else None, "total_ms": round(total_ms, 1),
-                  "error": record.error}
-        log.info("request %s %s %s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f%s",
-                 record.id, record.method, record.path, status, record.prompt_tokens, record.completion_tokens,
-                 f"{ttft:.1f}" if ttft is not None else "-", total_ms, f" error={record.error}" if record.error else "",
-                 extra={"request": fields})
+        fields = {
+            "request_id": record.id,
+            "method": record.method,
+            "path": record.path,
+            "status": status,
+            "prompt_tokens": record.prompt_tokens,
+            "completion_tokens": record.completion_tokens,
+            "ttft_ms": round(ttft, 1) if ttft is not None else None,
+            "total_ms": round(total_ms, 1),
+            "error": record.error,
+        }
+        log.info(
+            "request %s %s %s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f%s",
+            record.id,
+            record.method,
+            record.path,
+            status,
+            record.prompt_tokens,
+            record.completion_tokens,
+            f"{ttft:.1f}" if ttft is not None else "-",
+            total_ms,
+            f" error={record.error}" if record.error else "",
+            extra={"request": fields},
+        )
 
     def snapshot(self) -> dict[str, Any]:
         """/v1/metrics: the engine's counters, latency percentiles over recent requests, server memory."""

@@ -4,6 +4,7 @@ request shapes vLLM accepts, so the `openai` client, vLLM's benchmark, guidellm 
 One HTTP request becomes `len(prompts) * n` engine requests; choice `p * n + j` is sample j of prompt p
 (sample j seeded with seed + j, so the choices of one prompt differ and each is reproducible).
 """
+
 from __future__ import annotations
 
 import time
@@ -49,13 +50,26 @@ def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> A
         # echo with max_tokens=0 still runs the prefill: its prompt logprobs are computed, then not shown
         prompt_logprobs = (body.logprobs if body.logprobs is not None else 0) if body.echo else None
         sampling = {**body.sampling_overrides(), "logprobs": body.logprobs, "prompt_logprobs": prompt_logprobs}
-        prepared = [dispatcher.prepare(record, s, body.max_tokens, prompt=p, tokens_field="max_tokens")
-                    for p in prompts for s in choice_sampling(body, sampling, dispatcher, len(prompts))]
+        prepared = [
+            dispatcher.prepare(record, s, body.max_tokens, prompt=p, tokens_field="max_tokens")
+            for p in prompts
+            for s in choice_sampling(body, sampling, dispatcher, len(prompts))
+        ]
         jobs = await dispatcher.start_all(record, prepared)
-        echoes = [Echo.of(p, ids, tokenizer) if body.echo else None for p, (ids, _) in zip(
-            [p for p in prompts for _ in range(body.n)], prepared)]
-        chunks = Chunks(f"cmpl-{record.id}", model_name, False, body.include_usage, body.n, tokenizer, echoes,
-                        body.logprobs is not None)
+        echoes = [
+            Echo.of(p, ids, tokenizer) if body.echo else None
+            for p, (ids, _) in zip([p for p in prompts for _ in range(body.n)], prepared)
+        ]
+        chunks = Chunks(
+            f"cmpl-{record.id}",
+            model_name,
+            False,
+            body.include_usage,
+            body.n,
+            tokenizer,
+            echoes,
+            body.logprobs is not None,
+        )
         if body.stream:
             return EventStreamResponse(jobs.sse(chunks))
         choices, closing = [], []
@@ -67,11 +81,18 @@ def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> A
                 chunks.extend_block(block, echo.prompt_entries(tokens[0] if tokens else last), 0, echo.ids)
             chunks.extend_block(block, [e.logprob for e in [*tokens, last] if e.logprob], len(text))
             text += "".join(e.text for e in tokens) + last.text
-            choices.append(CompletionChoice(index=index, text=text, finish_reason=last.finish_reason,
-                                            logprobs=block if body.logprobs is not None else None))
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=text,
+                    finish_reason=last.finish_reason,
+                    logprobs=block if body.logprobs is not None else None,
+                )
+            )
             closing.append(last.timings)
-        return CompletionResponse(id=chunks.id, created=chunks.created, model=model_name, choices=choices,
-                                  usage=chunks.usage(closing))
+        return CompletionResponse(
+            id=chunks.id, created=chunks.created, model=model_name, choices=choices, usage=chunks.usage(closing)
+        )
 
     @routes.post("/v1/chat/completions", responses=responses, response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -83,34 +104,56 @@ def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> A
         dispatcher.check_cap("max_tokens", body.max_tokens)  # refused even where max_completion_tokens wins
         max_tokens = body.max_completion_tokens or body.max_tokens
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        prepared = [dispatcher.prepare(record, s, max_tokens, "", messages=messages, tokens_field=field)
-                    for s in choice_sampling(body, sampling, dispatcher, 1)]
+        prepared = [
+            dispatcher.prepare(record, s, max_tokens, "", messages=messages, tokens_field=field)
+            for s in choice_sampling(body, sampling, dispatcher, 1)
+        ]
         jobs = await dispatcher.start_all(record, prepared)
-        chunks = Chunks(f"chatcmpl-{record.id}", model_name, True, body.include_usage, body.n, tokenizer,
-                        [None] * body.n, body.logprobs)
+        chunks = Chunks(
+            f"chatcmpl-{record.id}",
+            model_name,
+            True,
+            body.include_usage,
+            body.n,
+            tokenizer,
+            [None] * body.n,
+            body.logprobs,
+        )
         if body.stream:
             return EventStreamResponse(jobs.sse(chunks))
         choices, closing = [], []
         for index, (tokens, last) in enumerate(await jobs.collect()):
             text = "".join(e.text for e in tokens) + last.text
-            logprobs = ChatLogprobs(content=[chunks.chat_entry(e.logprob) for e in [*tokens, last] if e.logprob]) \
-                if body.logprobs else None
-            choices.append(ChatChoice(index=index, message=AssistantMessage(content=text),
-                                      finish_reason=last.finish_reason, logprobs=logprobs))
+            logprobs = (
+                ChatLogprobs(content=[chunks.chat_entry(e.logprob) for e in [*tokens, last] if e.logprob])
+                if body.logprobs
+                else None
+            )
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=AssistantMessage(content=text),
+                    finish_reason=last.finish_reason,
+                    logprobs=logprobs,
+                )
+            )
             closing.append(last.timings)
-        return ChatCompletionResponse(id=chunks.id, created=chunks.created, model=model_name, choices=choices,
-                                      usage=chunks.usage(closing))
+        return ChatCompletionResponse(
+            id=chunks.id, created=chunks.created, model=model_name, choices=choices, usage=chunks.usage(closing)
+        )
 
     return routes
 
 
-def choice_sampling(body: OpenAIRequest, sampling: dict[str, Any], dispatcher: Dispatcher,
-                    prompts: int) -> list[dict[str, Any]]:
+def choice_sampling(
+    body: OpenAIRequest, sampling: dict[str, Any], dispatcher: Dispatcher, prompts: int
+) -> list[dict[str, Any]]:
     """The sampling overrides of a prompt's `n` choices: sample j seeded with seed + j (the engine's default
     seed when the request gives none; null stays fresh entropy for each)."""
     if prompts * body.n > MAX_CHOICES:
-        raise InvalidRequestError(f"prompts x n is {prompts * body.n}; at most {MAX_CHOICES} choices per request",
-                                  param="n")
+        raise InvalidRequestError(
+            f"prompts x n is {prompts * body.n}; at most {MAX_CHOICES} choices per request", param="n"
+        )
     seed = body.seed if body.seed is not None else dispatcher.engine.config.defaults.seed
     return [{**sampling, "seed": None if seed is None else seed + j} for j in range(body.n)]
 
@@ -155,7 +198,9 @@ class Chunks:
             self.started.add(index)
             yield from self._opening(index, event)
         if self.chat:  # the closing chunk's delta is empty unless it flushes held-back text
-            body: dict[str, Any] = {"delta": {"content": event.text} if event.text or event.finish_reason is None else {}}
+            body: dict[str, Any] = {
+                "delta": {"content": event.text} if event.text or event.finish_reason is None else {}
+            }
             if self.logprobs and event.logprob:
                 body["logprobs"] = {"content": [self.chat_entry(event.logprob).model_dump()]}
         else:
@@ -181,11 +226,13 @@ class Chunks:
         block = LogprobsBlock(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         self.extend_block(block, echo.prompt_entries(event), 0, echo.ids)
         self.offsets[index] = len(echo.text)
-        yield self._chunk(index, {"text": echo.text, "logprobs": block.model_dump() if self.logprobs else None,
-                                  "finish_reason": None})
+        yield self._chunk(
+            index, {"text": echo.text, "logprobs": block.model_dump() if self.logprobs else None, "finish_reason": None}
+        )
 
-    def extend_block(self, block: LogprobsBlock, entries: list[TokenLogprob | None], offset: int,
-                     ids: list[int] | None = None) -> int:
+    def extend_block(
+        self, block: LogprobsBlock, entries: list[TokenLogprob | None], offset: int, ids: list[int] | None = None
+    ) -> int:
         """Append entries (None: the prompt's first token, `ids` says which) to a completions logprobs block;
         returns the text offset after them."""
         for i, entry in enumerate(entries):
@@ -207,9 +254,14 @@ class Chunks:
 
     def chat_entry(self, entry: TokenLogprob) -> ChatTokenLogprob:
         token = self._text(entry.token_id)
-        return ChatTokenLogprob(token=token, logprob=entry.logprob, bytes=list(token.encode()),
-                                top_logprobs=[TopLogprob(token=(t := self._text(i)), logprob=lp, bytes=list(t.encode()))
-                                              for i, lp in entry.top])
+        return ChatTokenLogprob(
+            token=token,
+            logprob=entry.logprob,
+            bytes=list(token.encode()),
+            top_logprobs=[
+                TopLogprob(token=(t := self._text(i)), logprob=lp, bytes=list(t.encode())) for i, lp in entry.top
+            ],
+        )
 
     def usage(self, timings: list[Timings]) -> Usage:
         prompt = sum(t.prompt_tokens for i, t in enumerate(timings) if i % self.n == 0)

@@ -1,6 +1,7 @@
 """The OpenAPI schema, stated from what the server enforces: the caps from the settings, bearer auth only
 when keys are configured, each route's statuses with their media types (errors are JSON, streams are
 server-sent events). Routes name their error statuses with `errors(...)`; `install` finishes the schema."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -29,28 +30,35 @@ HEADERS = {
     429: {"Retry-After": {"description": "seconds", "required": True, "schema": {"type": "integer"}}},
 }
 TOKEN_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens", "min_tokens")
-PROMPT_FIELDS = (("GenerateRequest", "prompt"), ("CompletionRequest", "prompt"), ("ChatMessage", "content"),
-                 ("TextPart", "text"))
+PROMPT_FIELDS = (
+    ("GenerateRequest", "prompt"),
+    ("CompletionRequest", "prompt"),
+    ("ChatMessage", "content"),
+    ("TextPart", "text"),
+)
 TOKEN_ID_FIELDS = (("CompletionRequest", "prompt"), ("DetokenizeRequest", "tokens"))
 TOKEN_PROMPT_FIELDS = (("CompletionRequest", "prompt"),)
 SSE_EVENT = {  # one event of a stream: a JSON chunk, an error envelope, or [DONE] last
-    "type": "object", "required": ["data"],
-    "properties": {"data": {"type": "string", "description": "a JSON chunk (or an error envelope), then [DONE]"}}}
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk (or an error envelope), then [DONE]"}},
+}
 
 
 def errors(settings: ServerSettings, *statuses: int) -> dict[int | str, dict[str, Any]]:
     """The error responses of a route, 401 only when keys are configured."""
-    return {s: {"model": ErrorEnvelope, "description": ERRORS[s]} for s in statuses
-            if s != 401 or settings.api_keys}
+    return {s: {"model": ErrorEnvelope, "description": ERRORS[s]} for s in statuses if s != 401 or settings.api_keys}
 
 
 def install(app: FastAPI, settings: ServerSettings, vocab_size: int, max_prompt_tokens: int) -> None:
     """Serve the finished schema at /openapi.json (built once, on first use)."""
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
             app.openapi_schema = finish(schema, settings, vocab_size, max_prompt_tokens)
         return app.openapi_schema
+
     app.openapi = openapi
 
 
@@ -72,7 +80,8 @@ def finish(schema: dict[str, Any], settings: ServerSettings, vocab_size: int, ma
             bound(models[name]["properties"][field], "string", "maxLength", settings.max_prompt_chars)
             models[name]["properties"][field]["description"] = (
                 f"at most {settings.max_prompt_chars} characters in all, and its tokens must leave 16 positions "
-                "of the model's context")
+                "of the model's context"
+            )
     for path, item in schema["paths"].items():
         for operation in item.values():
             for status, response in operation["responses"].items():
@@ -112,4 +121,3 @@ def token_arrays(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
     items = [schema["items"]] if isinstance(schema.get("items"), dict) else []
     for branch in schema.get("anyOf", []) + schema.get("oneOf", []) + items:
         yield from token_arrays(branch)
-

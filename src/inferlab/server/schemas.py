@@ -2,6 +2,7 @@
 configurable caps (max_new_tokens_cap, max_prompt_chars) are checked in `streams.prepare` and written
 into the schema by server/openapi.py. Numbers and booleans must be JSON numbers and booleans: lax
 Pydantic would read "0.5", `true` or 1 as each other, which the schema does not allow."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -49,18 +50,26 @@ class Sampling(BaseModel):
 
     def sampling_overrides(self) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "stop": stop}
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": stop,
+        }
 
 
 # ---- native API ----------------------------------------------------------------------------------
+
 
 class GenerateRequest(Sampling):
     model_config = ConfigDict(extra="forbid")
 
     prompt: Prompt
     max_new_tokens: MaxTokens = None
-    chat: StrictBool = Field(default=False, description="wrap the prompt as a user message in the model's chat template")
+    chat: StrictBool = Field(
+        default=False, description="wrap the prompt as a user message in the model's chat template"
+    )
 
 
 class Usage(BaseModel):
@@ -96,14 +105,16 @@ class ErrorEnvelope(BaseModel):
 # Unknown fields that change nothing (user, metadata, ...) are ignored so existing clients and load tools
 # work; fields that would change the answer and are not implemented are refused by name (`Unsupported`).
 
+
 def _refuse(value: Any) -> Any:
     if value is not None:
         raise ValueError("not supported by this server")
     return value
 
 
-Unsupported = Annotated[Any, AfterValidator(_refuse), WithJsonSchema({"type": "null"}),
-                        Field(description="not supported: refused when set")]
+Unsupported = Annotated[
+    Any, AfterValidator(_refuse), WithJsonSchema({"type": "null"}), Field(description="not supported: refused when set")
+]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0), Number] | None
 TokenId = Annotated[int, Field(ge=0), Number]  # below the vocabulary size: server/openapi.py states it
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -111,9 +122,16 @@ TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Number] | None
 CompletionMaxTokens = Annotated[int, Field(ge=0), Number] | None  # 0: echo only; at most server.max_new_tokens_cap
 MAX_CHOICES = 16  # prompts x n engine requests one call may start
 TOKEN_KEY = r"^[0-9]{1,9}$"
-LogitBias = Annotated[dict[Annotated[str, Field(pattern=TOKEN_KEY)], Annotated[float, Field(ge=-100, le=100), Number]],
-                      WithJsonSchema({"type": "object", "propertyNames": {"pattern": TOKEN_KEY},
-                                      "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})]
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=TOKEN_KEY)], Annotated[float, Field(ge=-100, le=100), Number]],
+    WithJsonSchema(
+        {
+            "type": "object",
+            "propertyNames": {"pattern": TOKEN_KEY},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        }
+    ),
+]
 
 
 class StreamOptions(BaseModel):
@@ -130,12 +148,14 @@ class OpenAIRequest(Sampling):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES), Number] = Field(
-        default=1, description=f"choices per prompt; prompts x n at most {MAX_CHOICES}")
+        default=1, description=f"choices per prompt; prompts x n at most {MAX_CHOICES}"
+    )
     presence_penalty: Penalty = None
     frequency_penalty: Penalty = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0), Number] | None = None
     logit_bias: LogitBias | None = Field(
-        default=None, description="token id -> bias added to its logit (ids outside the vocabulary change nothing)")
+        default=None, description="token id -> bias added to its logit (ids outside the vocabulary change nothing)"
+    )
     min_tokens: Annotated[int, Field(ge=0), Number] = 0
     ignore_eos: StrictBool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
@@ -154,25 +174,43 @@ class OpenAIRequest(Sampling):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_overrides(self) -> dict[str, Any]:
-        return {**super().sampling_overrides(), "presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-                "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
-                "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
-                "stop_token_ids": self.stop_token_ids or []}
+        return {
+            **super().sampling_overrides(),
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "stop_token_ids": self.stop_token_ids or [],
+        }
 
 
-ECHO_ONLY = {"if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},  # 0 only with echo
-             "then": {"required": ["echo"], "properties": {"echo": {"const": True}}}}
-CHOICES = [{"if": {"required": ["prompt"],  # a batch of k prompts allows n up to MAX_CHOICES // k
-                   "properties": {"prompt": {"type": "array", "minItems": k, "items": {"type": ["string", "array"]}}}},
-            "then": {"properties": {"n": {"maximum": MAX_CHOICES // k}}}} for k in range(2, MAX_CHOICES + 1)]
+ECHO_ONLY = {
+    "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},  # 0 only with echo
+    "then": {"required": ["echo"], "properties": {"echo": {"const": True}}},
+}
+CHOICES = [
+    {
+        "if": {
+            "required": ["prompt"],  # a batch of k prompts allows n up to MAX_CHOICES // k
+            "properties": {"prompt": {"type": "array", "minItems": k, "items": {"type": ["string", "array"]}}},
+        },
+        "then": {"properties": {"n": {"maximum": MAX_CHOICES // k}}},
+    }
+    for k in range(2, MAX_CHOICES + 1)
+]
 
 
 class CompletionRequest(OpenAIRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [ECHO_ONLY, *CHOICES]})
 
-    prompt: Prompt | TokenIds | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_CHOICES)] | \
-        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
+    prompt: (
+        Prompt
+        | TokenIds
+        | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_CHOICES)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
+    )
     max_tokens: CompletionMaxTokens = None
     echo: StrictBool = Field(default=False, description="the prompt's text (and logprobs) before the completion")
     logprobs: TopLogprobs = Field(default=None, description="log-probabilities of each token and this many top ones")
@@ -206,9 +244,12 @@ class ResponseFormat(BaseModel):
 
 
 class ChatCompletionRequest(OpenAIRequest):
-    model_config = ConfigDict(json_schema_extra={  # top_logprobs only with logprobs
-        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+    model_config = ConfigDict(
+        json_schema_extra={  # top_logprobs only with logprobs
+            "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+        }
+    )
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=256)]
     max_tokens: MaxTokens = None

@@ -1,4 +1,5 @@
 """ServerSettings: the `server:` block of conf/serve.yaml, checked once at start-up."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -30,16 +31,20 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not 1 <= self.max_new_tokens_cap <= MAX_NEW_TOKENS_CEILING:
             raise InvalidRequestError(
-                f"server.max_new_tokens_cap must be in [1, {MAX_NEW_TOKENS_CEILING}], got {self.max_new_tokens_cap}")
+                f"server.max_new_tokens_cap must be in [1, {MAX_NEW_TOKENS_CEILING}], got {self.max_new_tokens_cap}"
+            )
         if self.log_format not in LOG_FORMATS:
-            raise InvalidRequestError(f"server.log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+            raise InvalidRequestError(
+                f"server.log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}"
+            )
         if self.timeout_s <= 0:
             raise InvalidRequestError(f"server.timeout_s must be > 0, got {self.timeout_s}")
         try:
             parse(self.rate_limit)
         except ValueError as e:
             raise InvalidRequestError(
-                f"server.rate_limit {self.rate_limit!r} is not a limits string like '120/minute'") from e
+                f"server.rate_limit {self.rate_limit!r} is not a limits string like '120/minute'"
+            ) from e
 
     @classmethod
     def from_config(cls, server: Any, **overrides: Any) -> ServerSettings:

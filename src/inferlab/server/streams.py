@@ -7,6 +7,7 @@ error event. Closing a job (client gone, deadline, shutdown) closes the engine's
 the request and frees its KV. One HTTP request may run several jobs (a batch of prompts, `n` choices):
 `Jobs` starts them together and merges their events, each tagged with its choice index.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,17 +40,25 @@ class Dispatcher:
     engine: InferenceEngine
     settings: ServerSettings
 
-    async def start(self, record: RequestRecord, sampling: dict[str, Any], max_new_tokens: int | None,
-                    prompt: str | list[int] = "", chat: bool = False, messages: list[dict[str, str]] | None = None,
-                    tokens_field: str = "max_new_tokens") -> Job:
+    async def start(
+        self,
+        record: RequestRecord,
+        sampling: dict[str, Any],
+        max_new_tokens: int | None,
+        prompt: str | list[int] = "",
+        chat: bool = False,
+        messages: list[dict[str, str]] | None = None,
+        tokens_field: str = "max_new_tokens",
+    ) -> Job:
         prompt_ids, params = self.prepare(record, sampling, max_new_tokens, prompt, chat, messages, tokens_field)
         return await Job.start(self.engine, prompt_ids, params, record, self.settings.timeout_s)
 
     async def start_all(self, record: RequestRecord, prepared: list[tuple[list[int], SamplingParams]]) -> Jobs:
         """Submit every prepared request at once (their prefills batch); if any is refused, close the rest."""
         timeout = self.settings.timeout_s
-        started = await asyncio.gather(*(Job.start(self.engine, ids, params, record, timeout) for ids, params in prepared),
-                                       return_exceptions=True)
+        started = await asyncio.gather(
+            *(Job.start(self.engine, ids, params, record, timeout) for ids, params in prepared), return_exceptions=True
+        )
         failed = [e for e in started if isinstance(e, BaseException)]
         if failed:
             for job in started:
@@ -58,16 +67,25 @@ class Dispatcher:
             raise failed[0]
         return Jobs(started, record)
 
-    def prepare(self, record: RequestRecord, sampling: dict[str, Any], max_new_tokens: int | None,
-                prompt: str | list[int], chat: bool = False, messages: list[dict[str, str]] | None = None,
-                tokens_field: str = "max_new_tokens") -> tuple[list[int], SamplingParams]:
+    def prepare(
+        self,
+        record: RequestRecord,
+        sampling: dict[str, Any],
+        max_new_tokens: int | None,
+        prompt: str | list[int],
+        chat: bool = False,
+        messages: list[dict[str, str]] | None = None,
+        tokens_field: str = "max_new_tokens",
+    ) -> tuple[list[int], SamplingParams]:
         """Prompt token ids and sampling parameters, or InvalidRequestError (422) before any tensor work.
 
         `tokens_field` is what the route calls `max_new_tokens`, for the message."""
         settings, engine = self.settings, self.engine
         chars = (len(prompt) if isinstance(prompt, str) else 0) + sum(len(m["content"]) for m in messages or ())
         if chars > settings.max_prompt_chars:
-            raise InvalidRequestError(f"prompt: {chars} characters, more than this server's {settings.max_prompt_chars}")
+            raise InvalidRequestError(
+                f"prompt: {chars} characters, more than this server's {settings.max_prompt_chars}"
+            )
         self.check_cap(tokens_field, max_new_tokens)
         self.check_cap("min_tokens", min_tokens := sampling.get("min_tokens") or 0)
         params = engine.sampling_params(max_new_tokens=max_new_tokens, **{**sampling, "min_tokens": 0})
@@ -98,8 +116,14 @@ class Job:
     timeout_s: float
 
     @classmethod
-    async def start(cls, engine: InferenceEngine, prompt_ids: list[int], params: SamplingParams,
-                    record: RequestRecord, timeout_s: float) -> Job:
+    async def start(
+        cls,
+        engine: InferenceEngine,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        record: RequestRecord,
+        timeout_s: float,
+    ) -> Job:
         events = engine.submit(GenerationRequest(prompt_ids, params))
         try:
             first = await _next(events, record, timeout_s)

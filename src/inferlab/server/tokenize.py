@@ -1,5 +1,6 @@
 """vLLM's `POST /tokenize` and `POST /detokenize`: the server's own tokenizer (and chat template) for
 clients that count or build prompts in token ids (lm-eval, benchmark tools)."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any
@@ -15,9 +16,15 @@ from inferlab.server.schemas import ChatMessage, Text, TokenId
 class TokenizeRequest(BaseModel):
     """Raw text (`prompt`) or chat `messages` rendered with the model's template, as vLLM takes them."""
 
-    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [  # exactly one of the two
-        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "oneOf": [  # exactly one of the two
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        },
+    )
 
     model: str | None = None
     prompt: Annotated[Text, Field(max_length=65536)] | None = None
@@ -58,16 +65,20 @@ def router(engine: InferenceEngine, errors: dict[int, Any], max_prompt_chars: in
             messages = [m.as_template_input() for m in body.messages]
             chars = sum(len(m["content"]) for m in messages)
             if chars > max_prompt_chars:
-                raise InvalidRequestError(f"messages: {chars} characters, more than this server's {max_prompt_chars}",
-                                          param="messages")
+                raise InvalidRequestError(
+                    f"messages: {chars} characters, more than this server's {max_prompt_chars}", param="messages"
+                )
             try:
                 text = tokenizer.render_chat(messages, body.add_generation_prompt)
             except ValueError as e:
                 raise InvalidRequestError(str(e).splitlines()[0], param="messages") from None
             ids = tokenizer.encode(text)
         else:
-            ids = tokenizer.encode(body.prompt) if body.add_special_tokens else \
-                tokenizer.backend.encode(body.prompt, add_special_tokens=False).ids
+            ids = (
+                tokenizer.encode(body.prompt)
+                if body.add_special_tokens
+                else tokenizer.backend.encode(body.prompt, add_special_tokens=False).ids
+            )
         strs = [tokenizer.token_text(i) for i in ids] if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=engine.config.max_seq_len, tokens=ids, token_strs=strs)
 

@@ -3,6 +3,7 @@
 Pydantic names a union's members in the error location (`function-after[...]`, `list[...]`, `str`),
 and its messages say how it validated; a user only needs the field (`messages[0].role`) and the rule.
 """
+
 from __future__ import annotations
 
 import re
@@ -12,9 +13,13 @@ from typing import Any
 SOURCES = {"body", "query", "path", "header", "cookie"}
 TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "none", "dict", "list", "tuple", "set"}
 FIELD = re.compile(r"[a-z_][a-z0-9_]*")
-MESSAGES = {"missing": "required", "extra_forbidden": "not a field this route accepts",
-            "model_type": "must be a JSON object", "model_attributes_type": "must be a JSON object",
-            "dict_type": "must be a JSON object"}
+MESSAGES = {
+    "missing": "required",
+    "extra_forbidden": "not a field this route accepts",
+    "model_type": "must be a JSON object",
+    "model_attributes_type": "must be a JSON object",
+    "dict_type": "must be a JSON object",
+}
 MAX_PROBLEMS = 3
 
 

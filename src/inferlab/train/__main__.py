@@ -1,4 +1,5 @@
 """python -m inferlab.train: the same as inferlab-train."""
+
 from inferlab.train.main import main
 
 main()

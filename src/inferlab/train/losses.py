@@ -1,4 +1,5 @@
 """Training objectives: next-token cross-entropy, and distillation towards a teacher's distributions."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """inferlab-train task=draft|scratch: build the checkpoints speculative decoding uses, offline, from a seed."""
+
 from __future__ import annotations
 
 import torch

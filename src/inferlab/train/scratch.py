@@ -4,6 +4,7 @@ A byte-level BPE tokenizer is trained on the corpus's training documents; the ta
 corpus by next-token cross-entropy, then the draft is distilled from the trained target, so the pair
 shows the speedup of a classic target/draft setup with weights anyone can rebuild offline.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,12 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     backend = HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[AddedToken(EOS, special=True)],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[AddedToken(EOS, special=True)],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(texts, trainer)
     eos = backend.token_to_id(EOS)
     return Tokenizer(backend=backend, bos_id=None, eos_ids={eos}, special_ids={eos})
@@ -57,19 +62,27 @@ def train_scratch(cfg: DictConfig, device: torch.device) -> Path:
     s = cfg.scratch
     tokenizer = train_tokenizer([text for _, text in split_documents(cfg.corpus, "train")], s.vocab_size)
     train_tokens = load_tokens(tokenizer, cfg.corpus, "train").to(device)
-    val_batch = random_windows(load_tokens(tokenizer, cfg.corpus, "val").to(device), cfg.eval_batch_size,
-                               s.seq_len, torch.Generator(device="cpu").manual_seed(cfg.seed + 1))
+    val_batch = random_windows(
+        load_tokens(tokenizer, cfg.corpus, "val").to(device),
+        cfg.eval_batch_size,
+        s.seq_len,
+        torch.Generator(device="cpu").manual_seed(cfg.seed + 1),
+    )
     vocab = tokenizer.vocab_size
     target = init_model(OmegaConf.to_container(s.target), vocab, s.max_seq_len, device)
     draft = init_model(OmegaConf.to_container(s.draft), vocab, s.max_seq_len, device)
-    print(f"scratch: tokenizer {vocab} tokens, {train_tokens.numel()} train tokens; target "
-          f"{count_parameters(target) / 1e6:.2f}M, draft {count_parameters(draft) / 1e6:.2f}M parameters")
+    print(
+        f"scratch: tokenizer {vocab} tokens, {train_tokens.numel()} train tokens; target "
+        f"{count_parameters(target) / 1e6:.2f}M, draft {count_parameters(draft) / 1e6:.2f}M parameters"
+    )
     batches = torch.Generator(device="cpu").manual_seed(cfg.seed)
 
     def target_loss(step: int) -> torch.Tensor:
         return lm_loss(target, random_windows(train_tokens, s.batch_size, s.seq_len, batches))
 
-    target_losses = train(target, target_loss, LoopConfig(**s.target_loop, progress=cfg.progress), desc="scratch target")
+    target_losses = train(
+        target, target_loss, LoopConfig(**s.target_loop, progress=cfg.progress), desc="scratch target"
+    )
     target.requires_grad_(False)
     with torch.no_grad():
         val_loss = float(lm_loss(target, val_batch))
@@ -78,9 +91,16 @@ def train_scratch(cfg: DictConfig, device: torch.device) -> Path:
         return distill_loss(draft, target, random_windows(train_tokens, s.batch_size, s.seq_len, batches))
 
     draft_losses = train(draft, draft_loss, LoopConfig(**s.draft_loop, progress=cfg.progress), desc="scratch draft")
-    report = {"task": "scratch", "corpus": cfg.corpus, "seed": cfg.seed, "vocab_size": vocab,
-              "target_final_loss": target_losses[-1] if target_losses else None, "target_val_loss": val_loss,
-              "draft_final_kl": draft_losses[-1] if draft_losses else None, "draft": agreement(draft, target, val_batch)}
+    report = {
+        "task": "scratch",
+        "corpus": cfg.corpus,
+        "seed": cfg.seed,
+        "vocab_size": vocab,
+        "target_final_loss": target_losses[-1] if target_losses else None,
+        "target_val_loss": val_loss,
+        "draft_final_kl": draft_losses[-1] if draft_losses else None,
+        "draft": agreement(draft, target, val_batch),
+    }
     print(f"held-out: target loss {val_loss:.3f}; draft vs target {report['draft']}")
     dirs = scratch_dirs(Path(cfg.out).expanduser() if cfg.out else None)
     for name, model in (("target", target), ("draft", draft)):

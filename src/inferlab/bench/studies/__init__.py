@@ -4,6 +4,7 @@ A study takes the job's composed config and returns rows (flat dicts) that becom
 and the report's CSV. To add one: a module here, conf/study/NAME.yaml (its knobs and report section) and
 sweeps/NAME.yaml (which groups vary). A feature that is not built yet raises `StudyUnavailable`.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,5 @@
 """What several studies measure the same way: prompts, decode timing, read bandwidth."""
+
 from __future__ import annotations
 
 import importlib
@@ -54,6 +55,7 @@ Runner = Callable[[list[int], int], list[float]]  # (prompt ids, new tokens) -> 
 
 def inferlab_runner(engine: InferenceEngine, isa: str | None = None) -> Runner:
     """Batch-1 greedy decoding on `engine` (with the kernels of `isa`), timed as the peers study times every engine."""
+
     def generate(ids: list[int], n: int) -> list[float]:
         if isa:
             use_isa(isa)  # the process's kernels (the engine's decode plan is its own already)

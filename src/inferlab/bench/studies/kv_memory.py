@@ -3,6 +3,7 @@
 A contiguous slot is reserved for the longest sequence; paged blocks grow with the tokens written, so
 the measured figure is what the block manager has handed out while the request is alive.
 """
+
 from __future__ import annotations
 
 from omegaconf import DictConfig
@@ -27,6 +28,12 @@ def run(cfg: DictConfig) -> Rows:
         finally:
             sequence.release()
         calculated = compute_kv_cache_bytes(engine.loaded.config, 1, tokens, engine.config.dtype)
-        rows.append({"request_tokens": tokens, "calculated_mb": calculated / MIB, "held_mb": held / MIB,
-                     "held_over_calculated": held / calculated})
+        rows.append(
+            {
+                "request_tokens": tokens,
+                "calculated_mb": calculated / MIB,
+                "held_mb": held / MIB,
+                "held_over_calculated": held / calculated,
+            }
+        )
     return rows

@@ -1,4 +1,5 @@
 """kv_speedup: decode tokens/s at growing context lengths, for this job's cache mode (none or contiguous)."""
+
 from __future__ import annotations
 
 from omegaconf import DictConfig

@@ -8,6 +8,7 @@ stride `max_length - 2`, the same prefix token first), so the two must agree to 
 is the project's usual overlapping windows (measure.perplexity_window / stride), where most tokens see more
 context. Next-line row: exp(-mean log-likelihood per line) of each line's successor, both sides.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,13 +42,21 @@ def run(cfg: DictConfig) -> Rows:
     prefix = min(engine.tokenizer.eos_ids)  # what each document is scored after: the corpus' separator
     hydra = HydraConfig.get()
     folder = write_tasks(Path(hydra.runtime.output_dir) / "lm_eval", held_out)
-    with open_target(cfg, dict(hydra.runtime.choices), list(hydra.overrides.task), Path(hydra.runtime.output_dir),
-                     1) as target:
+    with open_target(
+        cfg, dict(hydra.runtime.choices), list(hydra.overrides.task), Path(hydra.runtime.output_dir), 1
+    ) as target:
         if not isinstance(target, ServedTarget):
             raise StudyUnavailable("the lm_eval study drives a server: run it with target=server")
         try:
-            results = run_lm_eval(f"{target.base_url}/v1/completions", str(cfg.model.name), engine.tokenizer,
-                                  folder, max_length, prefix, int(study.batch_size))
+            results = run_lm_eval(
+                f"{target.base_url}/v1/completions",
+                str(cfg.model.name),
+                engine.tokenizer,
+                folder,
+                max_length,
+                prefix,
+                int(study.batch_size),
+            )
         except ModuleNotFoundError as e:
             raise StudyUnavailable(str(e)) from e
 
@@ -61,12 +70,27 @@ def run(cfg: DictConfig) -> Rows:
     own_lines = math.exp(-sum(ll for ll, _ in lines) / len(lines))
     nl = results[NEXT_LINE]
     return [
-        {"task": "rolling", "window": max_length, "tokens": tokens, "lm_eval_ppl": lm_ppl, "own_ppl": own,
-         "diff_pct": 100 * (lm_ppl / own - 1), "own_ppl_own_windows": own_windows,
-         "lm_eval_word_ppl": rolling["word_perplexity"], "lm_eval_bits_per_byte": rolling["bits_per_byte"]},
-        {"task": "next_line", "window": max_length, "tokens": len(lines), "lm_eval_ppl": nl["perplexity"],
-         "own_ppl": own_lines, "diff_pct": 100 * (nl["perplexity"] / own_lines - 1),
-         "lm_eval_acc": nl["acc"], "own_acc": sum(greedy for _, greedy in lines) / len(lines)},
+        {
+            "task": "rolling",
+            "window": max_length,
+            "tokens": tokens,
+            "lm_eval_ppl": lm_ppl,
+            "own_ppl": own,
+            "diff_pct": 100 * (lm_ppl / own - 1),
+            "own_ppl_own_windows": own_windows,
+            "lm_eval_word_ppl": rolling["word_perplexity"],
+            "lm_eval_bits_per_byte": rolling["bits_per_byte"],
+        },
+        {
+            "task": "next_line",
+            "window": max_length,
+            "tokens": len(lines),
+            "lm_eval_ppl": nl["perplexity"],
+            "own_ppl": own_lines,
+            "diff_pct": 100 * (nl["perplexity"] / own_lines - 1),
+            "lm_eval_acc": nl["acc"],
+            "own_acc": sum(greedy for _, greedy in lines) / len(lines),
+        },
     ]
 
 
@@ -85,7 +109,7 @@ def next_line_loglikelihood(engine: InferenceEngine, context: str, continuation:
     start = len(tokenizer.encode(context))
     ids = torch.tensor([whole])
     logits = engine.model(ids, torch.arange(len(whole))[None])[0].float()  # (T, vocab)
-    logprobs = torch.log_softmax(logits[start - 1:-1], dim=-1)
+    logprobs = torch.log_softmax(logits[start - 1 : -1], dim=-1)
     targets = ids[0, start:]
     picked = logprobs.gather(1, targets[:, None])[:, 0]
     return float(picked.sum()), bool((logprobs.argmax(dim=-1) == targets).all())

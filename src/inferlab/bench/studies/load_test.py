@@ -3,6 +3,7 @@
 The three differ only in what their sweeps vary (concurrency, target=server, cache.prefix), so they share
 this one measurement.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,10 +26,22 @@ def run(cfg: DictConfig) -> Rows:
     prompts = make_prompts(load_tokenizer(OmegaConf.to_container(cfg.model, resolve=True)), load, seed=cfg.seed or 0)
     hydra = HydraConfig.get()
     spec = LoadSpec(int(load["concurrency"]), float(load["rate"]), cfg.seed or 0, progress=True)
-    with open_target(cfg, dict(hydra.runtime.choices), list(hydra.overrides.task), Path(hydra.runtime.output_dir),
-                     int(load["output_tokens"])) as target:
+    with open_target(
+        cfg,
+        dict(hydra.runtime.choices),
+        list(hydra.overrides.task),
+        Path(hydra.runtime.output_dir),
+        int(load["output_tokens"]),
+    ) as target:
         metrics = measure(target, prompts, spec, warmup=int(cfg.measure.warmup))
         stats = target.stats()
-    return [{"concurrency": spec.concurrency, "rate": None if math.isinf(spec.rate) else spec.rate,
-             "dataset": load["dataset"], "prefix": str(cfg.cache.prefix).lower(), **metrics,
-             **{k: stats[k] for k in STAT_KEYS if k in stats}}]
+    return [
+        {
+            "concurrency": spec.concurrency,
+            "rate": None if math.isinf(spec.rate) else spec.rate,
+            "dataset": load["dataset"],
+            "prefix": str(cfg.cache.prefix).lower(),
+            **metrics,
+            **{k: stats[k] for k in STAT_KEYS if k in stats},
+        }
+    ]

@@ -6,6 +6,7 @@ bandwidth and then run every engine once (medians over the rounds). The roofline
 bytes of weights one decode step reads. inferlab runs once per instruction set of `study.isas` that the CPU
 runs (its kernels' builds, kernels/isa.py), each row naming its set; the peers name what they run on.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -27,8 +28,12 @@ from inferlab.paths import cache_dir
 from inferlab.quant.apply import weight_bytes
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LLAMA_CPP_FTYPES = {"fp32": "LLAMA_FTYPE_ALL_F32", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "fp16": "LLAMA_FTYPE_MOSTLY_F16",
-                    "int8": "LLAMA_FTYPE_MOSTLY_Q8_0"}  # int4 runs the shipped Q4_1 file itself
+LLAMA_CPP_FTYPES = {
+    "fp32": "LLAMA_FTYPE_ALL_F32",
+    "bf16": "LLAMA_FTYPE_MOSTLY_BF16",
+    "fp16": "LLAMA_FTYPE_MOSTLY_F16",
+    "int8": "LLAMA_FTYPE_MOSTLY_Q8_0",
+}  # int4 runs the shipped Q4_1 file itself
 LLAMA_CPP_ISA_FEATURES = {"avx2": {"AVX2", "FMA"}, "avx512": {"AVX2", "FMA", "AVX512", "AVX512_VNNI", "AVX512_BF16"}}
 
 
@@ -47,7 +52,11 @@ def run(cfg: DictConfig) -> Rows:
     }
     for isa, isa_engine in inferlab_engines(cfg, engine).items():
         makers["inferlab", isa] = lambda e=isa_engine, isa=isa: (
-            inferlab_runner(e, isa), weight_bytes(e.model), e.loaded.source, isa or engine.config.device.type)
+            inferlab_runner(e, isa),
+            weight_bytes(e.model),
+            e.loaded.source,
+            isa or engine.config.device.type,
+        )
     common = {"prompt_tokens": len(ids), "new_tokens": int(m.new_tokens), "torch_threads": torch.get_num_threads()}
     peers, unavailable = {}, []
     for name in cfg.study.engines:
@@ -71,9 +80,19 @@ def run(cfg: DictConfig) -> Rows:
     for key, (_, nbytes, note, isa) in peers.items():
         rate = statistics.median(rates[key] for _, rates in rounds)
         roofline = bandwidth * 1e9 / nbytes
-        rows.append({"engine": key[0], "isa": isa, "decode_tok_s": rate, "weight_mb": nbytes / 2**20,
-                     "roofline_tok_s": roofline, "pct_roofline": 100.0 * rate / roofline, "note": note,
-                     "bandwidth_gb_s": bandwidth, **common})
+        rows.append(
+            {
+                "engine": key[0],
+                "isa": isa,
+                "decode_tok_s": rate,
+                "weight_mb": nbytes / 2**20,
+                "roofline_tok_s": roofline,
+                "pct_roofline": 100.0 * rate / roofline,
+                "note": note,
+                "bandwidth_gb_s": bandwidth,
+                **common,
+            }
+        )
     return rows
 
 
@@ -96,8 +115,13 @@ def transformers_runner(gguf: Path, precision: DictConfig, device: torch.device)
     if precision.get("quant") or precision.dtype not in TORCH_DTYPES:
         raise StudyUnavailable(f"transformers has no {precision.name} path for GGUF weights on this device")
     transformers = require("transformers", "the transformers peer (pip install -e .[peers])")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=TORCH_DTYPES[precision.dtype]).to(device).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=TORCH_DTYPES[precision.dtype]
+        )
+        .to(device)
+        .eval()
+    )
 
     class Clock(transformers.generation.streamers.BaseStreamer):  # type: ignore[name-defined]  # imported at run time
         def __init__(self) -> None:
@@ -115,8 +139,14 @@ def transformers_runner(gguf: Path, precision: DictConfig, device: torch.device)
     def generate(ids: list[int], n: int) -> list[float]:
         clock = Clock()
         with torch.inference_mode():
-            model.generate(torch.tensor([ids], device=device), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           streamer=clock, pad_token_id=model.config.eos_token_id)
+            model.generate(
+                torch.tensor([ids], device=device),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                streamer=clock,
+                pad_token_id=model.config.eos_token_id,
+            )
         return clock.times
 
     nbytes = sum(p.nbytes for p in {p.data_ptr(): p for p in model.parameters()}.values())
@@ -140,7 +170,12 @@ def llama_cpp_runner(gguf: Path, precision: str) -> tuple[Runner, int, str, str]
                 break
         return times
 
-    return generate, path.stat().st_size, f"llama-cpp-python {llama_cpp.__version__} on {path.name}", llama_cpp_isa(llama_cpp)
+    return (
+        generate,
+        path.stat().st_size,
+        f"llama-cpp-python {llama_cpp.__version__} on {path.name}",
+        llama_cpp_isa(llama_cpp),
+    )
 
 
 def llama_cpp_isa(llama_cpp) -> str:

@@ -3,6 +3,7 @@
 The fused step's phases (decode_step.cpp names one profiler range per phase) also get the rate at which
 they streamed their weights, next to the machine's read bandwidth probed right after: how far each
 matrix-vector product is from the memory limit, phase by phase."""
+
 from __future__ import annotations
 
 import torch
@@ -16,14 +17,20 @@ from inferlab.model.transformer import Transformer
 from inferlab.quant.apply import module_bytes
 
 # phase range -> the projection of every layer whose weights the phase reads
-LAYER_PHASES = {"decode_step: norm+wqkv": ("attention", "wqkv"), "decode_step: wo+residual": ("attention", "wo"),
-                "decode_step: norm+w13": ("feed_forward", "w13"), "decode_step: swiglu+w2+residual": ("feed_forward", "w2")}
+LAYER_PHASES = {
+    "decode_step: norm+wqkv": ("attention", "wqkv"),
+    "decode_step: wo+residual": ("attention", "wo"),
+    "decode_step: norm+w13": ("feed_forward", "w13"),
+    "decode_step: swiglu+w2+residual": ("feed_forward", "w2"),
+}
 
 
 def phase_weight_bytes(model: Transformer) -> dict[str, int]:
     """Bytes of weights (with their scales, mins and biases) each phase of one decode step reads."""
-    phases = {phase: sum(module_bytes(getattr(getattr(layer, block), name)) for layer in model.layers)
-              for phase, (block, name) in LAYER_PHASES.items()}
+    phases = {
+        phase: sum(module_bytes(getattr(getattr(layer, block), name)) for layer in model.layers)
+        for phase, (block, name) in LAYER_PHASES.items()
+    }
     phases["decode_step: norm+lm_head"] = module_bytes(model.output)
     return phases
 
@@ -53,9 +60,15 @@ def run(cfg: DictConfig) -> Rows:
     rows = []
     for e in events[: int(cfg.study.top_ops)]:
         seconds_per_step = getattr(e, attr) / 1e6 / steps
-        row = {"op": e.key, "share_pct": 100.0 * getattr(e, attr) / total, "self_ms_per_step": seconds_per_step * 1e3,
-               "calls_per_step": e.count / steps, "bandwidth_gb_s": bandwidth,
-               "timer": "device" if on_cuda else "cpu", "torch_threads": torch.get_num_threads()}
+        row = {
+            "op": e.key,
+            "share_pct": 100.0 * getattr(e, attr) / total,
+            "self_ms_per_step": seconds_per_step * 1e3,
+            "calls_per_step": e.count / steps,
+            "bandwidth_gb_s": bandwidth,
+            "timer": "device" if on_cuda else "cpu",
+            "torch_threads": torch.get_num_threads(),
+        }
         if e.key in weight_bytes:
             row["weights_gb_s"] = weight_bytes[e.key] / seconds_per_step / 1e9
             row["pct_bandwidth"] = 100.0 * row["weights_gb_s"] / bandwidth

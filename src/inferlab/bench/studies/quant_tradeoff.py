@@ -1,5 +1,6 @@
 """quant_tradeoff: for this job's precision, weight MB, resident memory, generation tokens/s per batch size
 and strided-window perplexity on held-out Shakespeare."""
+
 from __future__ import annotations
 
 import time
@@ -23,12 +24,15 @@ def run(cfg: DictConfig) -> Rows:
     m = cfg.measure
     ids = prompt_ids(cfg, engine, int(m.prompt_tokens))
     held_out = load_tokens(engine.tokenizer, "shakespeare", "val", max_tokens=int(m.perplexity_tokens))
-    common = {"weight_mb": weight_bytes(engine.model) / 2**20,
-              "perplexity": evaluate_perplexity(engine.model, held_out, int(m.perplexity_window),
-                                                int(m.perplexity_stride))}
+    common = {
+        "weight_mb": weight_bytes(engine.model) / 2**20,
+        "perplexity": evaluate_perplexity(engine.model, held_out, int(m.perplexity_window), int(m.perplexity_stride)),
+    }
     rows = []
-    runs = progress(desc=f"quant_tradeoff {cfg.precision.name} generations",
-                    total=len(cfg.study.batch_sizes) * (int(m.warmup) + int(m.repeats)))
+    runs = progress(
+        desc=f"quant_tradeoff {cfg.precision.name} generations",
+        total=len(cfg.study.batch_sizes) * (int(m.warmup) + int(m.repeats)),
+    )
 
     def timed(batch: int) -> float:
         rate = generation_rate(engine, [ids] * batch, int(m.new_tokens))

@@ -6,6 +6,7 @@ server gets one closed-loop streaming load of max(load.num_requests, c) requests
 rotates between rounds). Each figure is the median over the rounds. A peer that is not installed (or, for
 vLLM, no `study.vllm_python`) gives a row saying so instead.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -24,8 +25,15 @@ from inferlab.bench.prompts import Prompt, load_tokenizer, make_prompts
 from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.model.loader import locate_package_file
 
-METRICS = ("output_throughput", "median_ttft_ms", "p95_ttft_ms", "median_tpot_ms", "p95_tpot_ms",
-           "request_throughput", "failed")
+METRICS = (
+    "output_throughput",
+    "median_ttft_ms",
+    "p95_ttft_ms",
+    "median_tpot_ms",
+    "p95_tpot_ms",
+    "request_throughput",
+    "failed",
+)
 
 
 @register("serving")
@@ -38,8 +46,10 @@ def run(cfg: DictConfig) -> Rows:
         raise StudyUnavailable("no server to measure: " + "; ".join(r["note"] for r in rows))
     tokenizer = load_tokenizer(model)
     levels = [int(c) for c in study.levels]
-    prompts = {c: make_prompts(tokenizer, {**load, "num_requests": max(int(load["num_requests"]), c)},
-                               seed=cfg.seed or 0) for c in levels}
+    prompts = {
+        c: make_prompts(tokenizer, {**load, "num_requests": max(int(load["num_requests"]), c)}, seed=cfg.seed or 0)
+        for c in levels
+    }
     log_dir = Path(HydraConfig.get().runtime.output_dir)
     samples: dict[tuple[str, int], list[dict[str, float]]] = {(s.name, c): [] for s in specs for c in levels}
     with ExitStack() as stack:
@@ -59,19 +69,29 @@ def run(cfg: DictConfig) -> Rows:
                 server.pause()
 
         for spec in specs:  # warm-up: compile paths, fill caches, untimed
-            drive(spec, prompts[levels[0]][:max(1, int(cfg.measure.warmup))], 1)
+            drive(spec, prompts[levels[0]][: max(1, int(cfg.measure.warmup))], 1)
         for r in tqdm(range(int(cfg.measure.repeats)), desc="serving rounds", leave=False):
             for c in levels:
-                for spec in specs[r % len(specs):] + specs[:r % len(specs)]:
+                for spec in specs[r % len(specs) :] + specs[: r % len(specs)]:
                     samples[spec.name, c].append(drive(spec, prompts[c], c))
     for spec in specs:
         base = None
         for c in levels:
             row = {m: statistics.median(s[m] for s in samples[spec.name, c]) for m in METRICS}
             base = base or row["output_throughput"]
-            rows.append({"server": spec.name, "concurrency": c, **row, "speedup_vs_c1": row["output_throughput"] / base,
-                         "requests": len(prompts[c]), "prompt_tokens": int(load["prompt_tokens"]),
-                         "output_tokens": int(load["output_tokens"]), "weights": spec.weights, "note": None})
+            rows.append(
+                {
+                    "server": spec.name,
+                    "concurrency": c,
+                    **row,
+                    "speedup_vs_c1": row["output_throughput"] / base,
+                    "requests": len(prompts[c]),
+                    "prompt_tokens": int(load["prompt_tokens"]),
+                    "output_tokens": int(load["output_tokens"]),
+                    "weights": spec.weights,
+                    "note": None,
+                }
+            )
     return rows
 
 
@@ -81,8 +101,13 @@ def server_specs(cfg: DictConfig, model_name: str, gguf: Path | None) -> tuple[l
     makers = {
         "inferlab": lambda: inferlab_server(model_name, list(study.inferlab_overrides)),
         "llama.cpp": lambda: llama_cpp_server(needs_gguf(gguf, "llama.cpp"), threads, int(study.max_model_len)),
-        "vllm": lambda: vllm_server(needs_vllm_python(study.vllm_python), needs_gguf(gguf, "vLLM"), threads,
-                                    int(study.vllm_kv_cache_gib), int(study.max_model_len)),
+        "vllm": lambda: vllm_server(
+            needs_vllm_python(study.vllm_python),
+            needs_gguf(gguf, "vLLM"),
+            threads,
+            int(study.vllm_kv_cache_gib),
+            int(study.max_model_len),
+        ),
     }
     specs, rows = [], []
     for name in study.servers:

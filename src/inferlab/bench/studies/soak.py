@@ -1,5 +1,6 @@
 """soak: a real server under N concurrent streaming clients for `study.rounds` x load.num_requests
 requests; one row that says whether it passed (see bench/soak.py for what passing means)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,11 +21,18 @@ def run(cfg: DictConfig) -> Rows:
     if cfg.target.kind != "server":
         raise InvalidRequestError("the soak measures a server: run it with target=server")
     load = OmegaConf.to_container(cfg.load, resolve=True)
-    prompts = [p.text for p in make_prompts(load_tokenizer(OmegaConf.to_container(cfg.model, resolve=True)), load,
-                                            seed=cfg.seed or 0)]
+    prompts = [
+        p.text
+        for p in make_prompts(load_tokenizer(OmegaConf.to_container(cfg.model, resolve=True)), load, seed=cfg.seed or 0)
+    ]
     clients, requests = int(load["concurrency"]), int(cfg.study.rounds) * int(load["num_requests"])
     hydra = HydraConfig.get()
-    with open_target(cfg, dict(hydra.runtime.choices), list(hydra.overrides.task), Path(hydra.runtime.output_dir),
-                     int(load["output_tokens"])) as target:
+    with open_target(
+        cfg,
+        dict(hydra.runtime.choices),
+        list(hydra.overrides.task),
+        Path(hydra.runtime.output_dir),
+        int(load["output_tokens"]),
+    ) as target:
         result = asyncio.run(soak(target.base_url, prompts, clients, requests, int(load["output_tokens"])))
     return [result.row(float(cfg.study.max_rss_growth_mib))]

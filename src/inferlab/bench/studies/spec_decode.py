@@ -7,6 +7,7 @@ median of those ratios, robust to a shared machine's drift. At temperature 0 eac
 checked against spec=off's (speculation is lossless). A drafter that cannot be built here (spec=draft
 before `make draft`) gets a row saying why.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -48,8 +49,9 @@ def run(cfg: DictConfig) -> Rows:
         for temperature, kind, name in cells:
             engine.speculation = speculation = drafters[name]
             before = speculation.counters() if speculation else {}
-            done = engine.generate(prompts[kind], max_new_tokens=new_tokens, temperature=float(temperature),
-                                   seed=(cfg.seed or 0) + round_)
+            done = engine.generate(
+                prompts[kind], max_new_tokens=new_tokens, temperature=float(temperature), seed=(cfg.seed or 0) + round_
+            )
             outputs[temperature, kind, name] = done.token_ids
             if round_ < int(m.warmup):
                 continue
@@ -62,15 +64,26 @@ def run(cfg: DictConfig) -> Rows:
         cell, c = (temperature, kind, name), counts[temperature, kind, name]
         speedups = [rate / base for rate, base in zip(rates[cell], rates[temperature, kind, OFF])]
         speculation = drafters[name]
-        rows.append({
-            "spec": name, "temperature": float(temperature), "prompts": kind,
-            "k": speculation.k if speculation else None, "adaptive": speculation.adaptive if speculation else None,
-            "decode_tok_s": statistics.median(rates[cell]), "speedup": statistics.median(speedups),
-            "acceptance_rate": c["spec_accepted"] / c["spec_proposed"] if c["spec_proposed"] else None,
-            "tokens_per_target_call": c["spec_generated"] / c["spec_target_calls"] if c["spec_target_calls"] else None,
-            "draft_calls_per_token": c["spec_draft_calls"] / c["spec_generated"] if c["spec_generated"] else None,
-            "matches_off": all(matches[cell]) if matches[cell] else None,
-            "new_tokens": new_tokens, "prompt_tokens": len(prompts[kind]), "note": None})
+        rows.append(
+            {
+                "spec": name,
+                "temperature": float(temperature),
+                "prompts": kind,
+                "k": speculation.k if speculation else None,
+                "adaptive": speculation.adaptive if speculation else None,
+                "decode_tok_s": statistics.median(rates[cell]),
+                "speedup": statistics.median(speedups),
+                "acceptance_rate": c["spec_accepted"] / c["spec_proposed"] if c["spec_proposed"] else None,
+                "tokens_per_target_call": c["spec_generated"] / c["spec_target_calls"]
+                if c["spec_target_calls"]
+                else None,
+                "draft_calls_per_token": c["spec_draft_calls"] / c["spec_generated"] if c["spec_generated"] else None,
+                "matches_off": all(matches[cell]) if matches[cell] else None,
+                "new_tokens": new_tokens,
+                "prompt_tokens": len(prompts[kind]),
+                "note": None,
+            }
+        )
     return rows
 
 
@@ -88,7 +101,9 @@ def speculation_for(engine: InferenceEngine, cfg: DictConfig, name: str) -> Spec
 def study_prompts(cfg: DictConfig, engine: InferenceEngine) -> dict[str, list[int]]:
     """Chat prompt ids: a free-text request, and an extractive one (quote a corpus excerpt back)."""
     tokenizer, study = engine.tokenizer, cfg.study
-    excerpt = corpus_ids(tokenizer, cfg.load.text, int(cfg.measure.prompt_tokens))[:int(cfg.measure.prompt_tokens)]
+    excerpt = corpus_ids(tokenizer, cfg.load.text, int(cfg.measure.prompt_tokens))[: int(cfg.measure.prompt_tokens)]
     texts = {"chat": study.chat_prompt, "extractive": f"{tokenizer.decode(excerpt)}\n\n{study.extractive_prompt}"}
-    return {kind: tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": text}]))
-            for kind, text in texts.items()}
+    return {
+        kind: tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": text}]))
+        for kind, text in texts.items()
+    }

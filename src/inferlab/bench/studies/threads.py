@@ -4,6 +4,7 @@ A memory-bound decode step speeds up with threads as much as the read bandwidth 
 the kernel's arithmetic speeds up as much as there are free cores to compute on. Side by side, per thread
 count, in rounds (each round probes the bandwidth and decodes once per thread count; medians over rounds).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -44,8 +45,15 @@ def run(cfg: DictConfig) -> Rows:
     for threads in counts:
         bandwidth = statistics.median(r[threads][0] for r in rounds)
         rate = statistics.median(r[threads][1] for r in rounds)
-        rows.append({"threads": threads, "decode_tok_s": rate, "bandwidth_gb_s": bandwidth,
-                     "prompt_tokens": len(ids), "new_tokens": int(m.new_tokens)})
+        rows.append(
+            {
+                "threads": threads,
+                "decode_tok_s": rate,
+                "bandwidth_gb_s": bandwidth,
+                "prompt_tokens": len(ids),
+                "new_tokens": int(m.new_tokens),
+            }
+        )
     one = rows[0]
     for row in rows:
         row["decode_speedup"] = row["decode_tok_s"] / one["decode_tok_s"]
