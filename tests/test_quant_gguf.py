@@ -35,7 +35,7 @@ def test_q4_1_import_reproduces_the_dequantized_gguf_weights(fp32):
     assert len(imported) == 4 * fp32.config.n_layers  # wqkv, wo, w13, w2 of every layer
     for name, codes in imported.items():
         linear = fp32.model.get_submodule(name)
-        q = Int4GroupLinear(linear, 32, use_kernel=False, codes=codes)
+        q = Int4GroupLinear(linear, 32, use_kernel=False, codes=codes())
         assert q.weight.nbytes * 2 == linear.weight.numel()
         assert torch.equal(q.dequantize(), linear.weight), name
 

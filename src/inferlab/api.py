@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
@@ -15,12 +17,15 @@ from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.engine.speculative import build_speculation
 from inferlab.errors import InvalidRequestError, ModelLoadError
 from inferlab.kernels.select import choose_isa, select_kernels
+from inferlab.model.gguf_loader import release_gguf
 from inferlab.model.loader import load_model
 from inferlab.model.native_format import native_precision
 from inferlab.paths import conf_dir
 from inferlab.quant import quantize_model
+from inferlab.quant.gguf_q4 import Q4_1_GROUP
 
 CONF_DIR = conf_dir()
+log = logging.getLogger(__name__)
 
 
 def compose(config_name: str = "engine", overrides: list[str] | None = None) -> DictConfig:
@@ -69,7 +74,41 @@ def resolve_precision(cfg: DictConfig) -> str:
     return f"{name} (auto: {why})"
 
 
+def memory_mib() -> tuple[float, float]:
+    """(resident memory now, its peak so far) of this process in MiB: /proc's VmRSS and VmHWM (Linux). Not
+    getrusage's ru_maxrss, which a child inherits from the process that spawned it."""
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith("Vm"))
+    return int(status["VmRSS"].split()[0]) / 1024, int(status["VmHWM"].split()[0]) / 1024
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM over from the current RSS (Linux clear_refs), so a peak measures what comes next only."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def engine_from_config(cfg: DictConfig) -> InferenceEngine:
+    """Load, quantize and build; records the load's time and peak resident memory (engine.load_stats), which the
+    CLI prints and the quant_tradeoff study reports."""
+    start = time.perf_counter()
+    reset_peak_rss()
+    engine = _build_engine(cfg)
+    now, peak = memory_mib()
+    engine.load_stats = {"load_s": time.perf_counter() - start, "load_rss_mb": now, "load_peak_rss_mb": peak}
+    log.info(
+        "loaded %s in %.1f s: peak RSS %.0f MiB while loading, %.0f MiB after",
+        engine.loaded.source,
+        engine.load_stats["load_s"],
+        peak,
+        now,
+    )
+    return engine
+
+
+def _build_engine(cfg: DictConfig) -> InferenceEngine:
     """Build the engine `cfg` describes; precision=auto in `cfg` becomes the precision it chose."""
     if cfg.device.threads:
         torch.set_num_threads(int(cfg.device.threads))
@@ -82,7 +121,9 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
     if cfg.cache.prefix and cfg.cache.mode != "paged":
         raise InvalidRequestError(f"cache.prefix=true needs cache=paged (got cache={cfg.cache.mode})")
     choose_isa(device, cfg.device.kernels, cfg.device.isa)
-    loaded = load_model(model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0)
+    # int4 at Q4_1's group size imports a GGUF's blocks as they are: those Linears are never dequantized
+    leave_q4_1 = cfg.precision.quant == "int4" and cfg.precision.get("group_size") == Q4_1_GROUP
+    loaded = load_model(model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0, leave_q4_1=leave_q4_1)
     if cfg.precision.quant:
         quantize_model(loaded.model, cfg.precision.quant, cfg.precision.get("group_size"), loaded.gguf_path)
     # the drafts before the kernels: a self draft is built from the target's own layers, and kernels and
@@ -92,6 +133,7 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
     )
     drafts = speculation.drafter.models() if speculation else []
     select_kernels(nn.ModuleList([loaded.model, *drafts]), device, dtype, cfg.device.kernels, cfg.device.dense_copy_mb)
+    release_gguf()
     defaults = SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,

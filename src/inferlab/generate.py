@@ -13,6 +13,12 @@ from inferlab.cli import hydra_app
 @hydra_app("generate")
 def main(cfg: DictConfig) -> None:
     engine = engine_from_config(cfg)
+    stats = engine.load_stats
+    print(
+        f"[loaded {engine.loaded.source} in {stats['load_s']:.1f} s: peak RSS {stats['load_peak_rss_mb']:.0f} MiB "
+        f"while loading, {stats['load_rss_mb']:.0f} MiB after]",
+        file=sys.stderr,
+    )
     params = engine.sampling_params()
     prompt_ids = engine.encode_prompt(str(cfg.prompt), chat=bool(cfg.chat))
     for event in engine.iter_events(prompt_ids, params):

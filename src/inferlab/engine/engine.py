@@ -172,6 +172,7 @@ class InferenceEngine:
         self.speculation = speculation  # spec=ngram|draft|self: requests run one at a time, drafted and verified
         self.model: Transformer = loaded.model
         self.tokenizer = loaded.tokenizer
+        self.load_stats: dict[str, float] = {}  # the load's time and peak resident memory (api.engine_from_config)
         self.kv_cache: KVCache | None = None
         self.pool: SlotPool | None = None
         self.paged: PagedKVCache | None = None  # the KV memory the engine loop reads through block tables

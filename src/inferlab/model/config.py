@@ -132,6 +132,13 @@ class ModelConfig:
             hint = " (inferlab reads the text decoder of gemma3_text checkpoints)" if arch == "gemma3" else ""
             raise ModelLoadError(f"unsupported model_type {arch!r}{hint}: inferlab loads {sorted(FAMILIES)}")
         family = FAMILIES[arch]
+        quantized = hf.get("quantization_config")
+        if quantized:
+            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
+            raise ModelLoadError(
+                f"unsupported quantization {method!r} in config.json: inferlab loads float "
+                "checkpoints (bf16/fp16/fp32) and quantizes them itself, or GGUF files"
+            )
         n_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
         rope, local_rope = _hf_rope(hf)

@@ -86,17 +86,24 @@ def linear_sources(config: ModelConfig, arch: str, names: set[str], layer: int) 
     }
 
 
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer]:
-    from gguf import quants
+def load_gguf(
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    leave_q4_1: bool = False,
+) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer, list[str]]:
+    """(config, state in `dtype`, tokenizer, the Linears left as stand-ins). Each tensor is dequantized in row
+    chunks straight into `dtype`; with `leave_q4_1`, a Linear whose parts are all Q4_1 is not dequantized at all:
+    its weight is a stand-in without memory (shape, dtype, device only) that quant/ replaces with the blocks."""
+    from gguf import GGMLQuantizationType
 
     reader = open_gguf(path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     tensors = {t.name: t for t in reader.tensors}
 
     def get(name: str, heads: int | None = None) -> Tensor:
-        t = tensors[name]
-        w = torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-        return (unpermute_qk(w, heads) if heads else w).to(dtype)
+        w = dequantize(tensors[name], dtype)
+        evict(reader, tensors[name])
+        return unpermute_qk(w, heads) if heads else w
 
     factors = {n: get(n + ".weight").float().tolist() for n in ROPE_FACTOR_TENSORS if n + ".weight" in tensors}
     config = ModelConfig.from_gguf_fields(meta, "output.weight" in tensors, factors)
@@ -104,13 +111,66 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConf
     state = {"tok_embeddings.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
     if "output.weight" in tensors:
         state["output.weight"] = get("output.weight")
+    left: list[str] = []
     for i in range(config.n_layers):
         ours = f"layers.{i}."
         for dst, src in NORMS.items():
             if f"blk.{i}.{src}.weight" in tensors:
                 state[f"{ours}{dst}.weight"] = get(f"blk.{i}.{src}.weight")
         for dst, parts in linear_sources(config, arch, set(tensors), i).items():
-            state[f"{ours}{dst}.weight"] = torch.cat([get(n + ".weight", h) for n, h in parts])
+            files = [tensors[n + ".weight"] for n, _ in parts]
+            if leave_q4_1 and all(t.tensor_type == GGMLQuantizationType.Q4_1 for t in files):
+                rows = sum(int(t.shape[1]) for t in files)  # GGUF shapes are (columns, rows)
+                state[f"{ours}{dst}.weight"] = torch.zeros((), dtype=dtype).expand(rows, int(files[0].shape[0]))
+                left.append(ours + dst)
+            else:
+                state[f"{ours}{dst}.weight"] = torch.cat([get(n + ".weight", h) for n, h in parts])
             if dst == "attention.wqkv" and config.qkv_bias:
                 state[f"{ours}{dst}.bias"] = torch.cat([get(n + ".bias") for n, _ in parts])
-    return config, state, Tokenizer.from_gguf_fields(meta)
+    evict(reader)
+    return config, state, Tokenizer.from_gguf_fields(meta), left
+
+
+def dequantize(tensor, dtype: torch.dtype, chunk_elements: int = 1 << 22) -> Tensor:
+    """A GGUF tensor as (rows, columns) (or (columns,)) in `dtype`, a few MiB of rows at a time: a quantized
+    embedding never exists whole in fp32."""
+    from gguf import quants
+
+    data = tensor.data  # (rows, bytes per row) for quantized types, (rows, columns) or (columns,) otherwise
+
+    def rows(part) -> Tensor:
+        try:
+            values = quants.dequantize(part, tensor.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(f"{tensor.name}: unsupported GGUF quantization {tensor.tensor_type.name}") from None
+        return torch.from_numpy(np.array(values, dtype=np.float32))
+
+    if data.ndim == 1:
+        return rows(data).to(dtype)
+    out = torch.empty((data.shape[0], int(tensor.shape[0])), dtype=dtype)
+    step = max(1, chunk_elements // out.shape[1])
+    for start in range(0, out.shape[0], step):
+        out[start : start + step] = rows(data[start : start + step])
+    return out
+
+
+def evict(reader, tensor=None) -> None:
+    """Drop the file's pages (or one tensor's) from this process's resident set; they stay in the page cache
+    and the mapping stays, so a later read faults them back in. A loaded model's RSS is then its own weights,
+    not the file's as well."""
+    import mmap
+
+    mapping = getattr(reader.data, "_mmap", None)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    if tensor is None:
+        mapping.madvise(mmap.MADV_DONTNEED)
+        return
+    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE  # the pages wholly or partly this tensor's
+    mapping.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + int(tensor.n_bytes) - start)
+
+
+def release_gguf() -> None:
+    """Forget the parsed files (their metadata objects are ~160 MiB for a 49k-token vocabulary), once the engine
+    holds everything it needs from them."""
+    _parse_gguf.cache_clear()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,23 +31,31 @@ class LoadedModel:
     config: ModelConfig
     source: str  # where the weights came from, for logs and reports
     gguf_path: Path | None = None  # the GGUF file, when the weights came from one (int4 imports its blocks)
+    stand_ins: list[str] = field(default_factory=list)  # Linears whose weights quant/ has yet to import (leave_q4_1)
 
 
 def load_model(
-    spec: dict[str, Any], dtype: torch.dtype, device: torch.device, max_seq_len: int, seed: int = 0
+    spec: dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+    max_seq_len: int,
+    seed: int = 0,
+    leave_q4_1: bool = False,
 ) -> LoadedModel:
-    """`spec` is the resolved `model` config group (conf/model/*.yaml)."""
-    path = spec.get("path")
-    if path:
-        path = Path(path).expanduser()
-        if path.is_dir():
-            return _finish(*load_hf_dir(path, dtype), f"hf:{path}", None, dtype, device, max_seq_len)
-        return _finish(*load_gguf(path, dtype), f"gguf:{path}", path, dtype, device, max_seq_len)
-    source = spec["source"]
-    if source == "gguf_package":
-        gguf_path = locate_package_file(spec["package"], spec["file"], spec.get("install", ""))
-        return _finish(*load_gguf(gguf_path, dtype), f"gguf:{gguf_path.name}", gguf_path, dtype, device, max_seq_len)
-    if source == "random":
+    """`spec` is the resolved `model` config group (conf/model/*.yaml). `leave_q4_1`: a GGUF's all-Q4_1 Linears
+    stay undequantized stand-ins (LoadedModel.stand_ins), for precision=int4 to import their blocks."""
+    path = Path(spec["path"]).expanduser() if spec.get("path") else None
+    if path is not None and path.is_dir():
+        return _finish(*load_hf_dir(path, dtype), f"hf:{path}", None, dtype, device, max_seq_len)
+    if path is None and spec["source"] == "gguf_package":
+        path = locate_package_file(spec["package"], spec["file"], spec.get("install", ""))
+    if path is not None:
+        config, state, tokenizer, stand_ins = load_gguf(path, dtype, leave_q4_1)
+        source = f"gguf:{path if spec.get('path') else path.name}"
+        loaded = _finish(config, state, tokenizer, source, path, dtype, device, max_seq_len)
+        loaded.stand_ins = stand_ins
+        return loaded
+    if spec["source"] == "random":
         config = ModelConfig.from_dict(dict(spec["architecture"]))
         tokenizer_spec = spec["tokenizer"]
         tok_path = locate_package_file(
@@ -163,10 +171,17 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, 
         return raw.get(name, dtype)
 
     def fused(prefix: str, splits: tuple[list[str], list[str]], suffix: str) -> Tensor | None:
+        """The parts' rows read one after another into the fused tensor: no concatenated copy."""
         for parts in splits:
             names = [f"{prefix}{p}.{suffix}" for p in parts]
             if all(n in raw for n in names):
-                return torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
+                shapes = [raw.shape(n) for n in names]
+                out = torch.empty((sum(s[0] for s in shapes), *shapes[0][1:]), dtype=dtype)
+                row = 0
+                for n, shape in zip(names, shapes):
+                    raw.read_into(n, out[row : row + shape[0]])
+                    row += shape[0]
+                return out
         return None
 
     layer_names = dict(_HF_SANDWICH_NAMES if config.sandwich_norms else _HF_LAYER_NAMES)

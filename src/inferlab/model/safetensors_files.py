@@ -1,9 +1,9 @@
 """An HF checkpoint's *.safetensors files, read one tensor at a time, each converted to the target dtype at once.
 
-Only the JSON headers are read up front. A tensor's bytes come in with one positioned read into a
-buffer of exactly its size, which becomes the target-dtype tensor (the same memory when the dtypes
-agree) and is dropped right after: a bf16 checkpoint loaded in bf16 never exists twice, and one in
-fp32 only ever adds one tensor in flight. Memory-mapping the files instead would keep every page
+Only the JSON headers are read up front. A tensor's bytes come in with one read straight into the
+parameter that will hold them (a row range of a fused projection, too) when the dtypes agree, else
+into one buffer of the file's bytes that is converted into it: a bf16 checkpoint loaded in bf16 is
+allocated exactly once, and one in fp32 only ever adds one tensor in flight. Memory-mapping the files instead would keep every page
 read resident, counted in the process's RSS beside the converted copies, until the file is closed.
 """
 
@@ -57,16 +57,33 @@ class SafetensorsFiles:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name).shape
+
     def get(self, name: str, dtype: torch.dtype) -> Tensor:
-        entry = self.entries.get(name)
-        if entry is None:
-            raise ModelLoadError(f"checkpoint has no tensor {name!r}")
-        raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+        entry = self._entry(name)
+        out = torch.empty(entry.shape, dtype=dtype)
+        self.read_into(name, out)
+        return out
+
+    def read_into(self, name: str, out: Tensor) -> None:
+        """Fill `out` (contiguous, the tensor's shape or its number of elements) with the tensor, converted to
+        out's dtype: in place when the dtypes agree, else through one buffer of the file's bytes."""
+        entry = self._entry(name)
+        same = out.dtype == entry.dtype
+        raw = out.view(torch.uint8).reshape(-1) if same else torch.empty(entry.nbytes, dtype=torch.uint8)
         with open(entry.path, "rb") as f:
             f.seek(entry.start)
             if f.readinto(raw.numpy()) != entry.nbytes:
                 raise ModelLoadError(f"{entry.path.name}: truncated at tensor {name!r}")
-        return raw.view(entry.dtype).reshape(entry.shape).to(dtype)
+        if not same:
+            out.copy_(raw.view(entry.dtype).reshape(out.shape))
+
+    def _entry(self, name: str) -> TensorEntry:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise ModelLoadError(f"checkpoint has no tensor {name!r}")
+        return entry
 
 
 def _read_header(path: Path) -> dict[str, TensorEntry]:

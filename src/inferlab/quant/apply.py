@@ -114,7 +114,8 @@ def quantize_model(
         if name == HEAD or mode == "int8":
             new: nn.Module = Int8Linear(linear, use_kernel=use_kernel)
         else:
-            new = Int4GroupLinear(linear, group_size, use_kernel=use_kernel, codes=imported.get(name))
+            codes = imported[name]() if name in imported else None  # one layer's codes at a time
+            new = Int4GroupLinear(linear, group_size, use_kernel=use_kernel, codes=codes)
         report.layers.append(
             LayerQuant(
                 name,

@@ -7,6 +7,8 @@ does with the dequantized weights (permuting whole rows of a row-wise quantized 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ import torch
 from torch import Tensor
 
 from inferlab.model.config import ModelConfig
-from inferlab.model.gguf_loader import linear_sources, open_gguf, unpermute_qk  # the loader's parse and layout
+from inferlab.model.gguf_loader import evict, linear_sources, open_gguf, unpermute_qk  # the loader's parse and layout
 
 Q4_1_GROUP = 32
 Codes = tuple[Tensor, Tensor, Tensor]  # codes uint8 (N, K), scales fp32 (N, G), mins fp32 (N, G)
@@ -43,25 +45,26 @@ def _cat(parts: list[Codes]) -> Codes:
     return tuple(torch.cat([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
 
-def read_q4_1_linears(path: Path, config: ModelConfig) -> dict[str, Codes]:
-    """Codes per decoder Linear (module names as in Transformer), for every layer whose parts are all Q4_1."""
+def read_q4_1_linears(path: Path, config: ModelConfig) -> dict[str, Callable[[], Codes]]:
+    """Per decoder Linear (module names as in Transformer) whose parts are all Q4_1: a reader of its codes,
+    called when the layer is built, so one layer's unpacked codes exist at a time, never the model's."""
     from gguf import GGMLQuantizationType
 
     reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
     arch = reader.fields["general.architecture"].contents()
 
-    def get(name: str, n_heads: int | None) -> Codes | None:
-        t = tensors[name + ".weight"]
-        if t.tensor_type != GGMLQuantizationType.Q4_1:
-            return None
-        codes = q4_1_codes(t.data)
+    def is_q4_1(name: str) -> bool:
+        return tensors[name + ".weight"].tensor_type == GGMLQuantizationType.Q4_1
+
+    def get(name: str, n_heads: int | None) -> Codes:
+        codes = q4_1_codes(tensors[name + ".weight"].data)
+        evict(reader, tensors[name + ".weight"])  # the blocks are copied out: their file pages can go
         return _rows(codes, lambda w: unpermute_qk(w, n_heads)) if n_heads else codes
 
-    found: dict[str, Codes] = {}
+    found: dict[str, Callable[[], Codes]] = {}
     for i in range(config.n_layers):
         for ours, parts in linear_sources(config, arch, set(tensors), i).items():
-            codes = [get(name, heads) for name, heads in parts]
-            if all(c is not None for c in codes):
-                found[f"layers.{i}.{ours}"] = _cat(codes)  # type: ignore[arg-type]
+            if all(is_q4_1(name) for name, _ in parts):
+                found[f"layers.{i}.{ours}"] = functools.partial(lambda p: _cat([get(*part) for part in p]), parts)
     return found

@@ -74,7 +74,7 @@ def self_draft(target: Transformer, draft_precision: str, gguf_path: Path | None
         elif draft_precision == "int8":
             new = Int8Linear(float_linear(layer))
         else:
-            new = Int4GroupLinear(float_linear(layer), Q4_1_GROUP, codes=imported.get(name))
+            new = Int4GroupLinear(float_linear(layer), Q4_1_GROUP, codes=imported[name]() if name in imported else None)
         draft.set_submodule(name, new)
     return draft.eval()
 

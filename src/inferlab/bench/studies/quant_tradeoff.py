@@ -1,4 +1,5 @@
-"""quant_tradeoff: for this job's precision, weight MB, resident memory, generation tokens/s per batch size
+"""quant_tradeoff: for this job's precision, weight MB, resident memory (peak while loading, after loading, after
+generating), generation tokens/s per batch size
 and strided-window perplexity on held-out Shakespeare."""
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def run(cfg: DictConfig) -> Rows:
     held_out = load_tokens(engine.tokenizer, "shakespeare", "val", max_tokens=int(m.perplexity_tokens))
     common = {
         "weight_mb": weight_bytes(engine.model) / 2**20,
+        "load_peak_rss_mb": engine.load_stats["load_peak_rss_mb"],
+        "load_rss_mb": engine.load_stats["load_rss_mb"],
         "perplexity": evaluate_perplexity(engine.model, held_out, int(m.perplexity_window), int(m.perplexity_stride)),
     }
     rows = []
