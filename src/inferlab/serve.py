@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import sys
+import time
 
 import uvicorn
 from fastapi import FastAPI
@@ -10,6 +12,7 @@ from omegaconf import DictConfig
 
 from inferlab.api import engine_from_config
 from inferlab.cli import hydra_app
+from inferlab.engine.engine import InferenceEngine
 from inferlab.server import ServerSettings, create_app
 from inferlab.server.guards import Guards
 from inferlab.server.logs import configure_logging
@@ -19,11 +22,29 @@ log = logging.getLogger("inferlab.server")
 
 class GracefulServer(uvicorn.Server):
     """On SIGTERM/SIGINT: refuse new work at once (503 on kept-alive connections too), let running
-    streams finish for `server.shutdown_grace_s`, then cancel them, which frees their KV."""
+    streams finish for `server.shutdown_grace_s`, then cancel them, which frees their KV.
 
-    def __init__(self, config: uvicorn.Config, guards: Guards) -> None:
+    Supervises the engine: once its loop has stopped (`engine.failure`; every request it held was told),
+    /health answers 503 with the reason for `server.shutdown_grace_s`, so whatever watches it sees why;
+    then the server drains like on SIGTERM and the process exits 1, for a process manager to restart it.
+    """
+
+    def __init__(self, config: uvicorn.Config, guards: Guards, engine: InferenceEngine) -> None:
         super().__init__(config)
-        self.guards = guards
+        self.guards, self.engine = guards, engine
+        self.engine_failed_at: float | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.engine.failure is not None:
+            now = time.monotonic()
+            if self.engine_failed_at is None:
+                self.engine_failed_at = now
+                log.critical(
+                    "%s: the server exits in %.0f s", self.engine.failure, self.config.timeout_graceful_shutdown
+                )
+            if now - self.engine_failed_at >= self.config.timeout_graceful_shutdown:
+                return True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None) -> None:
         self.guards.draining = True
@@ -34,7 +55,8 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(app: FastAPI, settings: ServerSettings) -> None:
+def serve(app: FastAPI, settings: ServerSettings, engine: InferenceEngine) -> int:
+    """Run until shut down; the exit status: 1 when the engine stopped, else 0."""
     # log_config=None: uvicorn's own lines go through the root handler, in server.log_format too
     config = uvicorn.Config(
         app,
@@ -45,16 +67,23 @@ def serve(app: FastAPI, settings: ServerSettings) -> None:
         access_log=False,
         timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
-    GracefulServer(config, app.state.guards).run()
+    GracefulServer(config, app.state.guards, engine).run()
+    return 1 if engine.failure else 0
+
+
+def run(cfg: DictConfig, engine: InferenceEngine | None = None) -> int:
+    """Serve `cfg` (an engine built from it unless given); the exit status."""
+    settings = ServerSettings.from_config(cfg.server)
+    configure_logging(settings.log_level, settings.log_format)
+    engine = engine or engine_from_config(cfg)
+    log.info("model %s (%s) on %s: %s", cfg.model.name, engine.loaded.source, engine.config.device, engine.describe())
+    return serve(create_app(engine, settings, str(cfg.model.name)), settings, engine)
 
 
 @hydra_app("serve")
 def main(cfg: DictConfig) -> None:
-    settings = ServerSettings.from_config(cfg.server)
-    configure_logging(settings.log_level, settings.log_format)
-    engine = engine_from_config(cfg)
-    log.info("model %s (%s) on %s: %s", cfg.model.name, engine.loaded.source, engine.config.device, engine.describe())
-    serve(create_app(engine, settings, str(cfg.model.name)), settings)
+    if status := run(cfg):
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from inferlab.engine.engine import CONTEXT_MARGIN, InferenceEngine, StreamEvent
-from inferlab.errors import NotFoundError, ShuttingDownError
+from inferlab.errors import EngineFailedError, NotFoundError, ShuttingDownError
 from inferlab.server import openai, tokenize
 from inferlab.server.guards import BodySizeLimit, Gate, Guards, install_error_handlers
 from inferlab.server.metrics import RequestLog, ServerMetrics
@@ -50,6 +50,8 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
 
     @app.get("/health", responses=errors(settings, 503))
     def health() -> dict[str, str]:
+        if engine.failure is not None:  # the process exits soon (serve.py); the reason is what to read
+            raise EngineFailedError(engine.failure)
         if guards.draining:
             raise ShuttingDownError("the server is shutting down")
         return {"status": "ok", "model": model_name}
