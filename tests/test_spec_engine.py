@@ -96,8 +96,8 @@ def test_load_engine_spec_draft(tmp_path, monkeypatch):
 def test_load_engine_spec_self_matches_greedy():
     """SmolLM2's own Q4_1 blocks draft for its fp32 weights, through both fused steps: spec off's tokens."""
     prompt = "Write a short story about a lighthouse keeper."
-    plain = load_engine().generate(prompt, max_new_tokens=32, chat=True)
-    spec = load_engine(spec="self")
+    plain = load_engine(precision="fp32").generate(prompt, max_new_tokens=32, chat=True)
+    spec = load_engine(precision="fp32", spec="self")
     assert spec.speculation.drafter.fused is not None or not cpu_gemv_available()
     assert spec.generate(prompt, max_new_tokens=32, chat=True).token_ids == plain.token_ids
     stats = spec.stats()
