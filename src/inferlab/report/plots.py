@@ -11,6 +11,7 @@ Each study's `report.chart` (conf/study/NAME.yaml) says what to draw, so a new s
     top: 8                    # barh: the largest N categories only
     panels:                   # one axis per quantity, side by side; `y` a column, or same-unit columns as series
       - {y: decode_tok_s, ylabel: decode tokens/s, logy: false, scale: 1.0, series: null}  # series: not here
+      - {y: ppl, where: {task: rolling}}  # where: only the rows whose column has that value
 
 A panel's keys may also sit at the top level for a one-panel chart. Columns the CSV lacks are skipped.
 The caption names the hardware (with its instruction set), torch threads and commit the numbers came from.
@@ -28,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import pandas as pd  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
 
-PANEL_KEYS = ("y", "ylabel", "logy", "scale", "series")
+PANEL_KEYS = ("y", "ylabel", "logy", "scale", "series", "where")
 
 
 def chart(frame: pd.DataFrame, spec: dict[str, Any], title: str, path: Path) -> Path:
@@ -48,6 +49,8 @@ def chart(frame: pd.DataFrame, spec: dict[str, Any], title: str, path: Path) -> 
             ax.set_visible(False)
             continue
         facet, rows, panel = cells[i]
+        for column, value in (panel.get("where") or {}).items():  # a panel of only the rows where column == value
+            rows = rows[rows[column].astype(str) == str(value)]
         draw(ax, rows, spec, panel)
         if facet:
             ax.set_title(facet, fontsize=9)
