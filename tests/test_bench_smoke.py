@@ -109,6 +109,7 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
     for row in measured:  # the roofline is the probed bandwidth over the bytes this engine's weights take
         assert row["roofline_tok_s"] == pytest.approx(bandwidth * 1e9 / (row["weight_mb"] * 2**20))
         assert row["pct_roofline"] == pytest.approx(100 * row["decode_tok_s"] / row["roofline_tok_s"])
+        assert row["prefill_128_tok_s"] > 0 and row["prefill_512_tok_s"] > 0  # the prefill columns, per engine
     if rows["llama.cpp"]["decode_tok_s"] is None:  # the peers extra is not installed here
         assert "pip install" in rows["llama.cpp"]["note"]
     else:

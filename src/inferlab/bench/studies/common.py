@@ -18,10 +18,10 @@ from inferlab.engine.engine import InferenceEngine, Sequence
 from inferlab.kernels.build import use_isa
 
 
-def prompt_ids(cfg: DictConfig, engine: InferenceEngine, n_tokens: int) -> list[int]:
-    """One prompt of exactly `n_tokens` ids from the job's load dataset."""
+def prompt_ids(cfg: DictConfig, engine: InferenceEngine, n_tokens: int, seed: int = 0) -> list[int]:
+    """One prompt of exactly `n_tokens` ids from the job's load dataset (another `seed`, another prompt)."""
     load = {**OmegaConf.to_container(cfg.load, resolve=True), "num_requests": 1, "prompt_tokens": n_tokens}
-    return make_prompts(engine.tokenizer, load, seed=cfg.seed or 0)[0].token_ids
+    return make_prompts(engine.tokenizer, load, seed=(cfg.seed or 0) + seed)[0].token_ids
 
 
 def sync(device: torch.device) -> None:

@@ -1,8 +1,10 @@
-"""peers: batch-1 decode tokens/s of inferlab, Hugging Face transformers and llama.cpp on the same GGUF.
+"""peers: batch-1 decode and prompt tokens/s of inferlab, Hugging Face transformers and llama.cpp on the same GGUF.
 
 Every engine is timed the same way: token arrival times while generating `new_tokens` greedy tokens after
-the same prompt ids, decode rate = (n - 1) / (t_last - t_first), in rounds that probe the machine's read
-bandwidth and then run every engine once (medians over the rounds). The roofline is that bandwidth over the
+the same prompt ids, decode rate = (n - 1) / (t_last - t_first), and the seconds one forward over a prompt
+of each `study.prefill_tokens` length takes (prefill rate = its tokens / those seconds; every round draws new
+prompts, so no engine finds one cached), in rounds that probe the machine's read bandwidth and then run
+every engine once (medians over the rounds). The roofline is that bandwidth over the
 bytes of weights one decode step reads. inferlab runs once per instruction set of `study.isas` that the CPU
 runs (its kernels' builds, kernels/isa.py), each row naming its set; the peers name what they run on.
 """
@@ -13,6 +15,7 @@ import ctypes
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,8 +24,17 @@ from omegaconf import DictConfig, open_dict
 from inferlab.api import engine_from_config
 from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, StudyUnavailable, register
-from inferlab.bench.studies.common import Runner, decode_rate, inferlab_runner, prompt_ids, read_bandwidth_gb_s, require
+from inferlab.bench.studies.common import (
+    Runner,
+    decode_rate,
+    inferlab_runner,
+    prompt_ids,
+    read_bandwidth_gb_s,
+    require,
+    sync,
+)
 from inferlab.engine.engine import InferenceEngine
+from inferlab.kernels.build import use_isa
 from inferlab.kernels.isa import supported_isas
 from inferlab.paths import cache_dir
 from inferlab.quant.apply import weight_bytes
@@ -37,6 +49,18 @@ LLAMA_CPP_FTYPES = {
 LLAMA_CPP_ISA_FEATURES = {"avx2": {"AVX2", "FMA"}, "avx512": {"AVX2", "FMA", "AVX512", "AVX512_VNNI", "AVX512_BF16"}}
 
 
+Prefill = Callable[[list[int]], float]  # prompt ids -> seconds of the forward over them
+
+
+@dataclass
+class Peer:
+    generate: Runner
+    prefill: Prefill
+    weight_bytes: int
+    note: str
+    isa: str
+
+
 @register("peers")
 def run(cfg: DictConfig) -> Rows:
     engine = engine_from_config(cfg)
@@ -45,20 +69,23 @@ def run(cfg: DictConfig) -> Rows:
         raise StudyUnavailable("peers compares engines on one GGUF file: use a GGUF model (model=smollm2-135m)")
     m = cfg.measure
     ids = prompt_ids(cfg, engine, int(m.prompt_tokens))
-    # (engine, isa) -> a maker of (runner, weight bytes, note, isa); inferlab once per kernel build
-    makers: dict[tuple[str, str | None], Callable[[], tuple[Runner, int, str, str]]] = {
-        ("transformers", None): lambda: transformers_runner(gguf, cfg.precision, engine.config.device),
-        ("llama.cpp", None): lambda: llama_cpp_runner(gguf, cfg.precision.name),
+    prefill_lengths = [int(n) for n in cfg.study.prefill_tokens]
+    # (engine, isa) -> a maker of its Peer; inferlab once per kernel build
+    makers: dict[tuple[str, str | None], Callable[[], Peer]] = {
+        ("transformers", None): lambda: transformers_peer(gguf, cfg.precision, engine.config.device),
+        ("llama.cpp", None): lambda: llama_cpp_peer(gguf, cfg.precision.name),
     }
     for isa, isa_engine in inferlab_engines(cfg, engine).items():
-        makers["inferlab", isa] = lambda e=isa_engine, isa=isa: (
+        makers["inferlab", isa] = lambda e=isa_engine, isa=isa: Peer(
             inferlab_runner(e, isa),
+            inferlab_prefill(e, isa),
             weight_bytes(e.model),
             e.loaded.source,
             isa or engine.config.device.type,
         )
     common = {"prompt_tokens": len(ids), "new_tokens": int(m.new_tokens), "torch_threads": torch.get_num_threads()}
-    peers, unavailable = {}, []
+    peers: dict[tuple[str, str | None], Peer] = {}
+    unavailable = []
     for name in cfg.study.engines:
         for key in [key for key in makers if key[0] == name]:
             try:
@@ -68,32 +95,53 @@ def run(cfg: DictConfig) -> Rows:
 
     # Round robin: each round probes the bandwidth, then runs every engine once, so the probe and all
     # engines see the same states of a shared machine (its speed drifts by tens of percent over minutes).
-    def one_round() -> tuple[float, dict[str, float]]:
-        bandwidth = read_bandwidth_gb_s(int(m.bandwidth_mb), engine.config.device)
-        return bandwidth, {key: decode_rate(runner(ids, int(m.new_tokens))) for key, (runner, *_) in peers.items()}
+    Rates = dict[tuple[str, str | None], dict[str, float]]
 
-    for _ in range(int(m.warmup)):
-        one_round()
-    rounds = [one_round() for _ in progress(range(int(m.repeats)), f"peers {cfg.precision.name} rounds")]
+    def one_round(index: int) -> tuple[float, Rates]:
+        bandwidth = read_bandwidth_gb_s(int(m.bandwidth_mb), engine.config.device)
+        prompts = {n: prompt_ids(cfg, engine, n, seed=index) for n in prefill_lengths}  # new ones: nothing cached
+        rates: Rates = {}
+        for key, peer in peers.items():
+            rates[key] = {"decode_tok_s": decode_rate(peer.generate(ids, int(m.new_tokens)))}
+            rates[key] |= {f"prefill_{n}_tok_s": n / peer.prefill(prompt) for n, prompt in prompts.items()}
+        return bandwidth, rates
+
+    for i in range(int(m.warmup)):
+        one_round(-1 - i)
+    repeats = progress(range(int(m.repeats)), f"peers {cfg.precision.name} rounds")
+    rounds = [one_round(i) for i in repeats]
     bandwidth = statistics.median(b for b, _ in rounds)
     rows = [{**row, "bandwidth_gb_s": bandwidth, **common} for row in unavailable]
-    for key, (_, nbytes, note, isa) in peers.items():
-        rate = statistics.median(rates[key] for _, rates in rounds)
-        roofline = bandwidth * 1e9 / nbytes
+    for key, peer in peers.items():
+        medians = {column: statistics.median(rates[key][column] for _, rates in rounds) for column in rounds[0][1][key]}
+        roofline = bandwidth * 1e9 / peer.weight_bytes
         rows.append(
             {
                 "engine": key[0],
-                "isa": isa,
-                "decode_tok_s": rate,
-                "weight_mb": nbytes / 2**20,
+                "isa": peer.isa,
+                **medians,
+                "weight_mb": peer.weight_bytes / 2**20,
                 "roofline_tok_s": roofline,
-                "pct_roofline": 100.0 * rate / roofline,
-                "note": note,
+                "pct_roofline": 100.0 * medians["decode_tok_s"] / roofline,
+                "note": peer.note,
                 "bandwidth_gb_s": bandwidth,
                 **common,
             }
         )
     return rows
+
+
+def inferlab_prefill(engine: InferenceEngine, isa: str | None) -> Prefill:
+    def prefill(ids: list[int]) -> float:
+        if isa:
+            use_isa(isa)
+        start = time.perf_counter()
+        _, seq = engine.prefill(ids, reserve_tokens=1)
+        seconds = time.perf_counter() - start
+        seq.release()
+        return seconds
+
+    return prefill
 
 
 def inferlab_engines(cfg: DictConfig, engine: InferenceEngine) -> dict[str | None, InferenceEngine]:
@@ -111,7 +159,7 @@ def inferlab_engines(cfg: DictConfig, engine: InferenceEngine) -> dict[str | Non
     return engines
 
 
-def transformers_runner(gguf: Path, precision: DictConfig, device: torch.device) -> tuple[Runner, int, str, str]:
+def transformers_peer(gguf: Path, precision: DictConfig, device: torch.device) -> Peer:
     if precision.get("quant") or precision.dtype not in TORCH_DTYPES:
         raise StudyUnavailable(f"transformers has no {precision.name} path for GGUF weights on this device")
     transformers = require("transformers", "the transformers peer (pip install -e .[peers])")
@@ -149,12 +197,19 @@ def transformers_runner(gguf: Path, precision: DictConfig, device: torch.device)
             )
         return clock.times
 
+    def prefill(ids: list[int]) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model(torch.tensor([ids], device=device))
+        sync(device)
+        return time.perf_counter() - start
+
     nbytes = sum(p.nbytes for p in {p.data_ptr(): p for p in model.parameters()}.values())
     isa = f"torch {torch.backends.cpu.get_cpu_capability().lower()}" if device.type == "cpu" else device.type
-    return generate, nbytes, f"transformers {transformers.__version__} generate", isa
+    return Peer(generate, prefill, nbytes, f"transformers {transformers.__version__} generate", isa)
 
 
-def llama_cpp_runner(gguf: Path, precision: str) -> tuple[Runner, int, str, str]:
+def llama_cpp_peer(gguf: Path, precision: str) -> Peer:
     llama_cpp = require("llama_cpp", "the llama.cpp peer (pip install -e .[peers])")
     if precision != "int4" and precision not in LLAMA_CPP_FTYPES:
         raise StudyUnavailable(f"llama.cpp has no {precision} counterpart")
@@ -170,8 +225,15 @@ def llama_cpp_runner(gguf: Path, precision: str) -> tuple[Runner, int, str, str]
                 break
         return times
 
-    return (
+    def prefill(ids: list[int]) -> float:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(ids)
+        return time.perf_counter() - start
+
+    return Peer(
         generate,
+        prefill,
         path.stat().st_size,
         f"llama-cpp-python {llama_cpp.__version__} on {path.name}",
         llama_cpp_isa(llama_cpp),
