@@ -108,6 +108,11 @@ def write_gguf(model, path: Path, vocab: dict) -> Path:
                 tensors[g + dst + ".weight"] = w
     for name, array in tensors.items():
         writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    return finish(writer, vocab, path)
+
+
+def finish(writer: gguf.GGUFWriter, vocab: dict, path):
+    """Add the vocabulary, write the file and close it; returns `path`."""
     add_vocab(writer, vocab)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -6,7 +6,7 @@ import json
 
 import gguf
 import pytest
-from gguf_writer import add_vocab
+from gguf_writer import finish
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
@@ -50,13 +50,7 @@ BYTES = [f"<0x{i:02X}>" for i in range(256)]
 
 
 def write_vocab(path, vocab: dict, arch: str):
-    writer = gguf.GGUFWriter(str(path), arch)
-    add_vocab(writer, vocab)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(gguf.GGUFWriter(str(path), arch), vocab, path)
 
 
 def sentencepiece_bpe() -> HFTokenizer:

@@ -125,20 +125,19 @@ def test_collect_keeps_one_line_per_row_and_jobs_without_rows(outputs: Path):
     assert frame[frame.study == "quant_tradeoff"].precision.tolist() == ["int8"]
 
 
-def test_notebook_runs_on_the_fixture(outputs: Path, monkeypatch):
+def notebook_images(outputs: Path, monkeypatch, timeout: int) -> list[dict]:
+    """Run the report notebook on `outputs`; the PNG outputs of its cells."""
     monkeypatch.setenv("INFERLAB_OUTPUTS", str(outputs))
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(
-        notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+        notebook, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
     ).execute()
-    images = [
-        o
-        for c in notebook.cells
-        if c.cell_type == "code"
-        for o in c.get("outputs", [])
-        if "image/png" in o.get("data", {})
-    ]
-    assert len(images) == 2  # kv_speedup and peers have charts and rows
+    cells = [c for c in notebook.cells if c.cell_type == "code"]
+    return [o for c in cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+
+
+def test_notebook_runs_on_the_fixture(outputs: Path, monkeypatch):
+    assert len(notebook_images(outputs, monkeypatch, timeout=120)) == 2  # kv_speedup and peers have charts and rows
 
 
 def test_perplexity_delta_against_fp32_comes_from_the_csv(tmp_path: Path):
@@ -197,17 +196,6 @@ def test_notebook_reads_the_committed_csv_on_a_fresh_clone(tmp_path: Path, monke
     outputs = tmp_path / "outputs"  # what a fresh clone has: no result.json, only the report's CSV
     (outputs / "report").mkdir(parents=True)
     (outputs / "report" / "results.csv").write_bytes(COMMITTED_CSV.read_bytes())
-    monkeypatch.setenv("INFERLAB_OUTPUTS", str(outputs))
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(
-        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
-    ).execute()
-    images = [
-        o
-        for c in notebook.cells
-        if c.cell_type == "code"
-        for o in c.get("outputs", [])
-        if "image/png" in o.get("data", {})
-    ]
+    images = notebook_images(outputs, monkeypatch, timeout=300)
     studies = pd.read_csv(COMMITTED_CSV).query("status == 'ok'").study.nunique()
     assert len(images) == studies

@@ -10,12 +10,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from inferlab.api import engine_from_config
@@ -77,6 +78,14 @@ def open_target(
     ) as url:
         target = ServedTarget(url, cfg.target.api, max_tokens=output_tokens, temperature=float(cfg.temperature))
         yield target
+
+
+def open_job_target(cfg: DictConfig, output_tokens: int) -> AbstractContextManager[EngineTarget | ServedTarget]:
+    """`open_target` for the running Hydra job: its choices and overrides, its output dir for the server log."""
+    hydra = HydraConfig.get()
+    return open_target(
+        cfg, dict(hydra.runtime.choices), list(hydra.overrides.task), Path(hydra.runtime.output_dir), output_tokens
+    )
 
 
 def free_port(host: str) -> int:

@@ -7,15 +7,13 @@ this one measurement.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from inferlab.bench.loadgen import LoadSpec, measure
 from inferlab.bench.prompts import load_tokenizer, make_prompts
 from inferlab.bench.studies import Rows, register
-from inferlab.bench.targets import open_target
+from inferlab.bench.targets import open_job_target
 
 STAT_KEYS = ("prefix_cache_hits", "prefix_cache_misses", "kv_blocks_total")
 
@@ -24,15 +22,8 @@ STAT_KEYS = ("prefix_cache_hits", "prefix_cache_misses", "kv_blocks_total")
 def run(cfg: DictConfig) -> Rows:
     load = OmegaConf.to_container(cfg.load, resolve=True)
     prompts = make_prompts(load_tokenizer(OmegaConf.to_container(cfg.model, resolve=True)), load, seed=cfg.seed or 0)
-    hydra = HydraConfig.get()
     spec = LoadSpec(int(load["concurrency"]), float(load["rate"]), cfg.seed or 0, progress=True)
-    with open_target(
-        cfg,
-        dict(hydra.runtime.choices),
-        list(hydra.overrides.task),
-        Path(hydra.runtime.output_dir),
-        int(load["output_tokens"]),
-    ) as target:
+    with open_job_target(cfg, int(load["output_tokens"])) as target:
         metrics = measure(target, prompts, spec, warmup=int(cfg.measure.warmup))
         stats = target.stats()
     return [

@@ -4,15 +4,13 @@ requests; one row that says whether it passed (see bench/soak.py for what passin
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from inferlab.bench.prompts import load_tokenizer, make_prompts
 from inferlab.bench.soak import soak
 from inferlab.bench.studies import Rows, register
-from inferlab.bench.targets import open_target
+from inferlab.bench.targets import open_job_target
 from inferlab.errors import InvalidRequestError
 
 
@@ -26,13 +24,6 @@ def run(cfg: DictConfig) -> Rows:
         for p in make_prompts(load_tokenizer(OmegaConf.to_container(cfg.model, resolve=True)), load, seed=cfg.seed or 0)
     ]
     clients, requests = int(load["concurrency"]), int(cfg.study.rounds) * int(load["num_requests"])
-    hydra = HydraConfig.get()
-    with open_target(
-        cfg,
-        dict(hydra.runtime.choices),
-        list(hydra.overrides.task),
-        Path(hydra.runtime.output_dir),
-        int(load["output_tokens"]),
-    ) as target:
+    with open_job_target(cfg, int(load["output_tokens"])) as target:
         result = asyncio.run(soak(target.base_url, prompts, clients, requests, int(load["output_tokens"])))
     return [result.row(float(cfg.study.max_rss_growth_mib))]
