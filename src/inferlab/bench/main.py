@@ -9,6 +9,7 @@ checkout cannot compose yet is recorded as "unavailable" by the sweeper.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 import traceback
@@ -27,6 +28,8 @@ from inferlab.cli import hydra_app
 @hydra_app("bench")
 def main(cfg: DictConfig) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the progress bars
+    # `kill` unwinds like Ctrl-C: the servers a study started (some paused by SIGSTOP) are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     result = run_job(cfg)
     where = Path(HydraConfig.get().runtime.output_dir)
     detail = f": {result['error']}" if result["error"] else f" ({len(result['rows'])} rows, {result['seconds']:.1f} s)"
