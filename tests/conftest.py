@@ -131,7 +131,7 @@ def tiny_engine(
         block_size=16,
         kv_blocks=0,
         prefix_cache=False,
-        scheduler=SchedulerConfig(max_running=16, max_waiting=64, prefill_chunk=256),
+        scheduler=SchedulerConfig(max_running=16, max_waiting=64, max_batched_tokens=256),
         kernels=kernels or "fast",
     )
     return InferenceEngine(loaded, config, speculation)

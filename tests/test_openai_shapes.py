@@ -23,7 +23,7 @@ KEY = "k-shapes"
 @pytest.fixture(scope="module")
 def engine(tiny_tokenizer):
     engine = tiny_engine(tiny_tokenizer, slots=4, max_new_tokens=16)
-    engine.scheduler.config.prefill_chunk = 8  # long prompts arrive in several chunks
+    engine.scheduler.config.max_batched_tokens = 8  # long prompts arrive in several chunks
     return engine
 
 

@@ -4,28 +4,32 @@ import torch
 from conftest import tiny_config, tiny_engine, tiny_model
 
 from inferlab.engine.block_manager import BlockManager, BlockTable
+from inferlab.engine.flat import FlatAttend, FlatBatch, Segment
 from inferlab.engine.kv_cache import CachedAttend, KVCache, compute_kv_cache_bytes
-from inferlab.engine.paged import PagedAttend, PagedKVCache, blocks_for_budget, forward_paged
+from inferlab.engine.paged import PagedKVCache, blocks_for_budget, forward_paged
 
 CPU = torch.device("cpu")
 
 
-def test_paged_attention_equals_contiguous_attention():
+def test_flat_attention_equals_contiguous_attention():
+    """One sequence's prompt, a chunk and a decode row through scattered paged blocks, against the
+    contiguous cache's own attention."""
     torch.manual_seed(0)
     config = tiny_config()
     H, KV, D, n_cached, n_new = config.n_heads, config.n_kv_heads, config.head_dim, 21, 6
     contiguous = KVCache(config, slots=1, max_seq_len=64, dtype=torch.float32, device=CPU)
     paged = PagedKVCache.allocate(config, num_blocks=12, block_size=4, dtype=torch.float32, device=CPU)
-    table = torch.tensor([[9, 2, 11, 0, 5, 7, 3]])  # scattered blocks: 28 positions
+    table = [9, 2, 11, 0, 5, 7, 3]  # scattered blocks: 28 positions
     for start, n in ((0, n_cached), (n_cached, n_new), (n_cached + n_new, 1)):  # prompt, chunk, decode
         q, k, v = torch.randn(1, H, n, D), torch.randn(1, KV, n, D), torch.randn(1, KV, n, D)
+        batch = FlatBatch.pack([Segment(list(range(n)), start, table)], CPU)
         for layer in range(config.n_layers):
             expected = CachedAttend(contiguous, start, n)(layer, q, k, v)
-            got = PagedAttend(paged, table, torch.tensor([start]), n)(layer, q, k, v)
+            got = FlatAttend(paged, batch)(layer, q, k, v)
             assert torch.allclose(got, expected, atol=1e-6), (got - expected).abs().max()
     # every written position landed in its block: block table[p // 4], offset p % 4
     for p in range(n_cached + n_new + 1):
-        block, offset = int(table[0, p // 4]), p % 4
+        block, offset = table[p // 4], p % 4
         assert torch.equal(paged.k[1, block, :, offset], contiguous.k[1, 0, :, p])
 
 

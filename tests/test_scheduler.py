@@ -1,6 +1,7 @@
 """Continuous batching: the allocator never leaks or over-admits, preemption recomputes exactly, submit() streams."""
 
 import asyncio
+import functools
 import time
 from dataclasses import replace
 
@@ -50,7 +51,8 @@ def fake_step(scheduler: Scheduler) -> None:
     batch = scheduler.schedule()
     check_invariants(scheduler)
     blocks = scheduler.blocks
-    for request, n in batch.prefills + [(r, 1) for r in batch.decodes]:
+    assert sum(n for _, n in batch.work) <= scheduler.config.max_batched_tokens
+    for request, n in batch.work:
         assert len(request.kv.blocks) * blocks.block_size >= request.kv.num_computed + n  # room for what it writes
         blocks.advance(request.kv, request.token_ids, n)
         if request.num_uncomputed == 0:
@@ -93,13 +95,13 @@ operations = st.lists(
     block_size=st.integers(2, 3),
     prefix=st.booleans(),
     max_running=st.integers(1, 6),
-    chunk=st.integers(1, 16),
+    budget=st.integers(1, 16),
 )
 def test_allocator_never_leaks_never_over_admits_and_preemption_recomputes_exactly(
-    ops, num_blocks, block_size, prefix, max_running, chunk
+    ops, num_blocks, block_size, prefix, max_running, budget
 ):
     blocks = BlockManager(num_blocks, block_size, block_bytes=1, prefix_cache=PrefixCache() if prefix else None)
-    scheduler = Scheduler(blocks, SchedulerConfig(max_running=max_running, max_waiting=6, prefill_chunk=chunk))
+    scheduler = Scheduler(blocks, SchedulerConfig(max_running=max_running, max_waiting=6, max_batched_tokens=budget))
     requests: list[Request] = []
     for op in ops:
         if op[0] == "arrive":
@@ -135,7 +137,7 @@ def test_allocator_never_leaks_never_over_admits_and_preemption_recomputes_exact
 
 
 def test_waiting_requests_go_by_priority_then_arrival():
-    scheduler = Scheduler(BlockManager(4, 4, 1), SchedulerConfig(max_running=1, max_waiting=8, prefill_chunk=64))
+    scheduler = Scheduler(BlockManager(4, 4, 1), SchedulerConfig(max_running=1, max_waiting=8, max_batched_tokens=64))
     low, high, high_later = fake_request(0, [1, 2], 2, 5), fake_request(1, [3, 4], 2, 0), fake_request(2, [5], 2, 0)
     for request in (low, high, high_later):
         scheduler.add(request)
@@ -248,15 +250,16 @@ def test_per_request_sampling_params_in_one_batch(tiny_tokenizer):
 
 
 def test_a_long_prompt_is_chunked_and_never_stalls_running_decodes():
-    scheduler = Scheduler(BlockManager(64, 4, 1), SchedulerConfig(max_running=4, max_waiting=8, prefill_chunk=5))
+    """The decode token counts against the step's token budget; the prompt fills the rest."""
+    scheduler = Scheduler(BlockManager(64, 4, 1), SchedulerConfig(max_running=4, max_waiting=8, max_batched_tokens=5))
     short = fake_request(0, [1, 2, 3], 30)
     scheduler.add(short)
     fake_step(scheduler)  # its prompt, then it decodes
     scheduler.add(fake_request(1, list(range(10, 33)), 4))  # 23 prompt tokens
-    for _ in range(5):  # ceil(23 / 5) steps of prefill, each beside the short request's decode
+    for _ in range(6):  # ceil(23 / 4) steps of prefill, each beside the short request's decode
         batch = scheduler.schedule()
-        assert batch.decodes == [short] and sum(n for _, n in batch.prefills) <= 5
-        for request, n in batch.prefills + [(short, 1)]:
+        assert batch.decodes == [short] and sum(n for _, n in batch.work) <= 5
+        for request, n in batch.work:
             scheduler.blocks.advance(request.kv, request.token_ids, n)
             if request.num_uncomputed == 0:
                 request.output_ids.append(next_token(request.token_ids))
@@ -265,8 +268,68 @@ def test_a_long_prompt_is_chunked_and_never_stalls_running_decodes():
 
 def test_chunked_prefill_through_the_engine_gives_single_request_tokens(tiny_tokenizer):
     prompts = [list(range(5, 45)), list(range(50, 61)), list(range(70, 103))]
-    engine = paged_engine(tiny_tokenizer, kv_blocks=64, prefill_chunk=7)
+    engine = paged_engine(tiny_tokenizer, kv_blocks=64, max_batched_tokens=7)
     reference = tiny_engine(tiny_tokenizer, "contiguous", slots=1)
     assert [c.token_ids for c in engine.generate_batch(prompts, max_new_tokens=10)] == [
         reference.generate(p, max_new_tokens=10).token_ids for p in prompts
     ]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tiny_tokenizer):
+    """(prompt, max_new) -> the single-request greedy tokens, each computed once."""
+    engine = tiny_engine(tiny_tokenizer, "contiguous", slots=1)
+    return functools.cache(lambda prompt, max_new: engine.generate(list(prompt), max_new_tokens=max_new).token_ids)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    ops=operations,
+    kv_blocks=st.integers(4, 8),
+    prefix=st.booleans(),
+    max_running=st.integers(2, 5),
+    budget=st.integers(1, 24),
+)
+def test_the_engine_loop_never_leaks_and_gives_single_request_tokens(
+    tiny_tokenizer, greedy_reference, one_thread, ops, kv_blocks, prefix, max_running, budget
+):
+    """The real loop (one flat forward a step on the tiny model) under random arrivals, cancels and
+    preemptions: every block comes back, and every finished request has its single-request greedy tokens."""
+    engine = paged_engine(
+        tiny_tokenizer, kv_blocks, block_size=4, prefix=prefix, max_running=max_running, max_batched_tokens=budget
+    )
+    requests: list[Request] = []
+    for op in ops:
+        if op[0] == "arrive":
+            _, which, suffix, max_new, priority = op
+            prompt = PREFIXES[which] + [(len(requests) * 7 + j) % 40 + 10 for j in range(suffix)]
+            request = engine._new_request(
+                prompt, SamplingParams(max_new_tokens=max_new), lambda e: None, priority=priority
+            )
+            try:
+                engine.scheduler.add(request)
+            except (CapacityError, OverloadedError):
+                continue
+            requests.append(request)
+        elif op[0] == "cancel" and requests:
+            engine.scheduler.cancel(requests[op[1] % len(requests)])
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                engine.step()
+                check_invariants(engine.scheduler)
+    for _ in range(10_000):
+        if not engine.scheduler.has_work():
+            break
+        engine.step()
+        check_invariants(engine.scheduler)
+    assert not engine.scheduler.has_work()
+    event(f"preempted: {engine.scheduler.preemptions > 0}")
+    assert engine.blocks.num_free == kv_blocks and not any(engine.blocks.ref_counts)
+    for request in requests:
+        if request.finished:
+            expected = greedy_reference(tuple(request.prompt_ids), request.max_new_tokens)
+            assert request.output_ids == expected
+        else:
+            assert request.cancelled

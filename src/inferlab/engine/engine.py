@@ -4,7 +4,7 @@ A single request's KV lives in a `Sequence`: a slot of the contiguous cache, blo
 pool, or (cache=none) just its token ids, recomputed in full at every step as the baseline the
 KV-cache study measures against. Concurrent requests (`submit`, `generate_batch`) go through one
 engine loop: a thread that owns the model and the KV memory and runs `step()` = schedule -> run ->
-sample -> stream, batching every running request's decode into one forward.
+sample -> stream, every running request's decode token and prompt chunks in one flat forward.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import Tensor
 
 from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
 from inferlab.engine.block_manager import BlockManager, BlockTable
+from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.kv_cache import CachedAttend, KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.engine.prefix_cache import PrefixCache
@@ -572,35 +573,33 @@ class InferenceEngine:
 
     @torch.inference_mode()
     def step(self) -> bool:
-        """One turn of the loop: schedule -> run (prompt chunks, one batched decode) -> sample -> stream.
+        """One turn of the loop: schedule -> run (one flat forward) -> sample -> stream.
 
         Call it with the engine lock held (the loop does). Returns whether any token was computed.
         """
-        batch = self.scheduler.schedule()
-        for request, n in batch.prefills:
-            self._run([request], n)
-        if batch.decodes:
-            self._run(batch.decodes, 1)
-        return bool(batch.prefills or batch.decodes)
+        work = self.scheduler.schedule().work
+        if work:
+            self._run(work)
+        return bool(work)
 
-    def _run(self, requests: list[Request], n: int) -> None:
-        """Feed each request its next `n` uncomputed tokens in one forward; sample those whose tokens are all in.
+    def _run(self, work: list[tuple[Request, int]]) -> None:
+        """Feed each request its next `n` uncomputed tokens, all in one forward; sample those whose tokens are all in.
 
-        A forward that raises is run again row by row (rewriting the same KV positions), so only the
-        request that caused it fails; a request whose sampling, stop check or text fails fails alone.
+        A forward that raises is run again request by request (rewriting the same KV positions), so only
+        the request that caused it fails; a request whose sampling, stop check or text fails fails alone.
         """
         try:
-            logits = self._forward(requests, n)
+            logits = self._forward(work)
         except Exception as error:
-            if len(requests) == 1:
-                self._fail(requests[0], "forward", error)
+            if len(work) == 1:
+                self._fail(work[0][0], "forward", error)
             else:
-                for request in requests:
-                    self._run([request], n)
+                for item in work:
+                    self._run([item])
             return
-        for request, row in zip(requests, logits):
+        for (request, n), rows in zip(work, logits):
             try:
-                events = self._sample(request, row, n)
+                events = self._sample(request, rows, n)
             except Exception as error:
                 self._fail(request, "sample", error)
                 continue
@@ -609,28 +608,32 @@ class InferenceEngine:
             for event in events:
                 self._deliver(request, event)
 
-    def _forward(self, requests: list[Request], n: int) -> Tensor:
+    def _forward(self, work: list[tuple[Request, int]]) -> list[Tensor]:
+        """The step's one forward: each request's logits rows (n_logits, vocab), as `_segment` asks."""
         if self.fault_hook is not None:
-            self.fault_hook("forward", requests)
-        starts = [r.kv.num_computed for r in requests]
-        tokens = [r.token_ids[s : s + n] for r, s in zip(requests, starts)]
-        # a prompt whose log-probabilities are wanted gets every position's logits: (B, n, vocab)
-        every = any(r.wants_prompt_logprobs and s < len(r.prompt_ids) for r, s in zip(requests, starts))
-        return forward_paged(
-            self.model, self.paged, tokens, starts, [r.kv.blocks for r in requests], self.fused, every_position=every
-        )
+            self.fault_hook("forward", [r for r, _ in work])
+        segments = [self._segment(r, n) for r, n in work]
+        logits = forward_flat(self.model, self.paged, FlatBatch.pack(segments, self.config.device), self.fused)
+        return list(logits.split([s.n_logits for s in segments]))
 
-    def _sample(self, request: Request, row: Tensor, n: int) -> list[StreamEvent]:
+    @staticmethod
+    def _segment(request: Request, n: int) -> Segment:
+        """A request's next `n` tokens; the logits wanted: every row of a prompt whose log-probabilities are
+        asked, the last row once its tokens are all in, none for a prompt chunk with more to come."""
+        start = request.kv.num_computed
+        n_logits = n if request.records_prompt_logits else int(start + n == request.num_tokens)
+        return Segment(request.token_ids[start : start + n], start, request.kv.blocks, n_logits)
+
+    def _sample(self, request: Request, rows: Tensor, n: int) -> list[StreamEvent]:
         """Record the `n` computed tokens; the events of the next token once the prompt is all in."""
-        if row.dim() == 2:  # every position's logits (n, vocab)
-            request.record_prompt_logits(request.kv.num_computed, row)
-            row = row[-1]
+        if request.records_prompt_logits:
+            request.record_prompt_logits(request.kv.num_computed, rows)
         self.blocks.advance(request.kv, request.token_ids, n)
         if request.num_uncomputed:
             return []  # a prompt chunk: its next token comes after the last chunk
         if self.fault_hook is not None:
             self.fault_hook("sample", [request])
-        return request.sample(row)
+        return request.sample(rows[-1])
 
     def _fail(self, request: Request, stage: str, error: Exception) -> None:
         log.error("request %d failed in its %s; the others continue", request.request_id, stage, exc_info=error)

@@ -1,7 +1,8 @@
 """Continuous batching policy: who waits, who runs this step, who is preempted when blocks run out.
 
-Each step every running sequence whose prompt is done decodes one token together; prompts are fed
-in chunks of at most `prefill_chunk` tokens per step so a long prompt cannot stall those decodes.
+Each step is one forward over at most `max_batched_tokens` tokens (vLLM V1's token budget): every
+running sequence whose prompt is done decodes one token, and prompts fill the rest of the budget in
+chunks, so a long prompt cannot stall those decodes.
 A waiting request is admitted only when the pool holds its prompt plus its first generated token.
 When a decode needs a block and none is free, the latest admitted sequence is preempted: its blocks
 are freed and it goes back to the front of the queue, to be recomputed (its full blocks often come
@@ -22,15 +23,20 @@ from inferlab.errors import OverloadedError
 
 @dataclass
 class SchedulerConfig:
-    max_running: int  # sequences in one decode batch
+    max_running: int  # sequences in one step
     max_waiting: int  # queued requests beyond which `add` refuses (the server's 503)
-    prefill_chunk: int  # prompt tokens computed per step, summed over sequences
+    max_batched_tokens: int  # tokens one step's forward computes: decode tokens and prompt chunks together
 
 
 @dataclass
 class ScheduledBatch:
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to feed this step)
     decodes: list[Request] = field(default_factory=list)  # each feeds its last sampled token
+
+    @property
+    def work(self) -> list[tuple[Request, int]]:
+        """Every request of the step with its token count: the decodes first, then the prompt chunks."""
+        return [(r, 1) for r in self.decodes] + self.prefills
 
 
 class Scheduler:
@@ -63,8 +69,9 @@ class Scheduler:
         with self._mutex:
             self._reap_cancelled()
             batch = ScheduledBatch()
-            preempted = self._schedule_decodes(batch)
-            budget = self.config.prefill_chunk
+            budget = self.config.max_batched_tokens
+            preempted = self._schedule_decodes(batch, budget)
+            budget -= len(batch.decodes)
             for request in self.running:  # prompts admitted earlier continue first
                 if budget and request not in batch.decodes and request.num_uncomputed > 1:
                     n = min(request.num_uncomputed, budget)
@@ -97,10 +104,13 @@ class Scheduler:
                 self._drop(request)
             return requests
 
-    def _schedule_decodes(self, batch: ScheduledBatch) -> bool:
-        """Give every decoding sequence room for its next token, preempting from the back; True if any was."""
+    def _schedule_decodes(self, batch: ScheduledBatch, budget: int) -> bool:
+        """Give decoding sequences, up to `budget` of them in admission order, room for their next token,
+        preempting from the back; True if any was preempted."""
         preempted = False
         for request in list(self.running):
+            if len(batch.decodes) == budget:
+                break
             if request not in self.running or request.num_uncomputed != 1:  # preempted above, or still prefilling
                 continue
             while not self.blocks.ensure_room(request.kv, request.num_tokens):

@@ -75,6 +75,12 @@ class Request:
         return self.params.prompt_logprobs is not None
 
     @property
+    def records_prompt_logits(self) -> bool:
+        """The next forward needs every row's logits: prompt log-probabilities are asked and the prompt is not
+        all in."""
+        return self.wants_prompt_logprobs and self.kv.num_computed < len(self.prompt_ids)
+
+    @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 

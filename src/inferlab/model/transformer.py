@@ -266,9 +266,15 @@ class Transformer(nn.Module):
             self.register_buffer(f"{name}_sin", sin.to(weight.dtype), persistent=False)
 
     def forward(
-        self, tokens: Tensor, positions: Tensor, attend: Attend = causal_attend, last_only: bool = False
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        attend: Attend = causal_attend,
+        last_only: bool = False,
+        rows: Tensor | None = None,
     ) -> Tensor:
-        # tokens, positions: (B, T) -> logits (B, T, vocab), or (B, 1, vocab) with last_only
+        # tokens, positions: (B, T) -> logits (B, T, vocab), or (B, 1, vocab) with last_only, or (B, R, vocab)
+        # for `rows` (R,) indices into T: the LM head runs only where logits are wanted
         x = self.tok_embeddings(tokens)
         if self.config.embed_scale != 1.0:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
@@ -279,5 +285,7 @@ class Transformer(nn.Module):
             x = layer(x, *rope[layer.local_rope], attend)
         if last_only:
             x = x[:, -1:]
+        elif rows is not None:
+            x = x[:, rows]
         logits = linear_after_norm(self.output, self.norm, x)
         return softcap(logits, self.config.final_softcap) if self.config.final_softcap else logits

@@ -1,0 +1,175 @@
+"""One engine step as one forward: the new tokens of many sequences packed flat, one after another, no padding.
+
+vLLM V1's shape of a step: every running sequence's decode token and other sequences' prompt chunks
+are the N rows of one batch, each row with its own position and its sequence's block table. Every
+linear layer is then one matrix product over all N rows; attention writes every row's k/v at its
+block and offset first, then attends each sequence's rows over that sequence's keys, causally from
+its own start. The fused C++ step takes the same rows (each row attends over its table up to its
+position, after every row's k/v is written), so decode rows and prompt chunks mix in one call either way.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from inferlab.kernels.attention import decode_attention
+from inferlab.kernels.fused_decode import FusedDecode
+from inferlab.model.transformer import PLAIN, AttentionSpan, Transformer, attend_over
+
+if TYPE_CHECKING:  # paged.py runs its forwards through this file
+    from inferlab.engine.paged import PagedKVCache
+
+
+@dataclass
+class Segment:
+    """One sequence's rows in a step: `tokens` at positions start.., its KV in `blocks`.
+
+    The logits of its last `n_logits` rows are wanted: 0 for a prompt chunk with more to come, 1 for
+    the next token, all of them for a prompt whose log-probabilities are asked.
+    """
+
+    tokens: list[int]
+    start: int
+    blocks: list[int]
+    n_logits: int = 1
+
+
+@dataclass
+class FlatBatch:
+    """S sequences' new tokens as N rows."""
+
+    tokens: Tensor  # (N,) int64
+    positions: Tensor  # (N,) int64, each row's position in its sequence
+    block_tables: Tensor  # (S, width) int64, each sequence's blocks, padded with its first
+    query_lens: list[int]  # (S,) rows of each sequence, in order
+    logit_rows: Tensor  # (R,) int64, the rows whose logits a forward returns, in order
+
+    @classmethod
+    def pack(cls, segments: list[Segment], device: torch.device) -> FlatBatch:
+        width = max(len(s.blocks) for s in segments)
+        tables = [s.blocks + [s.blocks[0]] * (width - len(s.blocks)) for s in segments]
+        positions = [p for s in segments for p in range(s.start, s.start + len(s.tokens))]
+        ends = list(itertools.accumulate(len(s.tokens) for s in segments))
+        rows = [r for s, end in zip(segments, ends) for r in range(end - s.n_logits, end)]
+        return cls(
+            torch.tensor([t for s in segments for t in s.tokens], device=device),
+            torch.tensor(positions, device=device),
+            torch.tensor(tables, device=device),
+            [len(s.tokens) for s in segments],
+            torch.tensor(rows, dtype=torch.long, device=device),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    def row_tables(self) -> Tensor:
+        """Each row's block table: (N, width)."""
+        lens = torch.tensor(self.query_lens, device=self.block_tables.device)
+        return self.block_tables.repeat_interleave(lens, dim=0)
+
+
+def gather_keys(pool: Tensor, tables: Tensor, length: int) -> Tensor:
+    """Positions 0..length-1 of each table's sequence, in order: pool (num_blocks, H, bs, D),
+    tables (B, width) -> (B, H, length, D)."""
+    bs = pool.shape[2]
+    if length <= bs:  # one block (always, on the contiguous cache): slice it instead of copying the whole block
+        return pool[tables[:, 0], :, :length]
+    blocks = pool[tables[:, : -(-length // bs)]]  # (B, nb, H, bs, D)
+    B, nb, H, _, D = blocks.shape
+    return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, D)[:, :, :length]
+
+
+class FlatAttend:
+    """The `attend` for one flat batch (the model runs it as tokens (1, N)).
+
+    Single-row sequences (decodes) attend together: through kernels.decode_attention where the cache
+    takes it and the layer's span is plain (the kernel writes their k/v itself), else over their
+    gathered keys with a per-row mask. Each longer sequence (a prompt chunk) attends over its own
+    gathered keys, causally from its start.
+    """
+
+    def __init__(self, cache: PagedKVCache, batch: FlatBatch) -> None:
+        self.cache, self.batch = cache, batch
+        bs, device = cache.block_size, batch.tokens.device
+        self.write_blocks = batch.row_tables().gather(1, (batch.positions // bs)[:, None])[:, 0]  # (N,)
+        self.write_offsets = batch.positions % bs  # (N,)
+        starts = [0, *itertools.accumulate(batch.query_lens)][:-1]
+        single = [s for s, n in enumerate(batch.query_lens) if n == 1]
+        self.single_rows = torch.tensor([starts[s] for s in single], dtype=torch.long, device=device)
+        self.single_tables = batch.block_tables[single]  # (B, width)
+        self.single_positions = batch.positions[self.single_rows]  # (B,)
+        self.single_length = int(self.single_positions.max()) + 1 if single else 0
+        # each prompt chunk: its rows, its table (1, width), and how many keys it sees (its last position + 1)
+        self.chunks = [
+            (
+                slice(starts[s], starts[s] + n),
+                batch.block_tables[s : s + 1],
+                int(batch.positions[starts[s] + n - 1]) + 1,
+            )
+            for s, n in enumerate(batch.query_lens)
+            if n > 1
+        ]
+        chunk_rows = [r for rows, _, _ in self.chunks for r in range(rows.start, rows.stop)]
+        self.chunk_rows = torch.tensor(chunk_rows, dtype=torch.long, device=device)
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, span: AttentionSpan = PLAIN) -> Tensor:
+        # q: (1, H, N, D); k, v: (1, H_kv, N, D) -> (1, H, N, D)
+        k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]  # (num_blocks, H_kv, bs, D)
+        kernel = self.cache.decode_kernel and span.plain and self.single_length > 0
+        self._write(k_pool, v_pool, k, v, self.chunk_rows if kernel else None)
+        if not self.chunks:
+            return self._attend_single(layer_idx, q, k, v, span, kernel)
+        out = torch.empty_like(q)
+        if self.single_length:
+            out[0, :, self.single_rows] = self._attend_single(layer_idx, q, k, v, span, kernel)[0]
+        for rows, table, length in self.chunks:
+            keys = gather_keys(k_pool, table, length).to(q.dtype)
+            values = gather_keys(v_pool, table, length).to(q.dtype)
+            out[:, :, rows] = attend_over(q[:, :, rows], keys, values, self.batch.positions[rows], span)
+        return out
+
+    def _write(self, k_pool: Tensor, v_pool: Tensor, k: Tensor, v: Tensor, rows: Tensor | None) -> None:
+        """Every row's k/v (or those of `rows`) at its block and offset."""
+        blocks, offsets = self.write_blocks, self.write_offsets
+        k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, H_kv, D)
+        if rows is not None:
+            if not rows.numel():
+                return
+            blocks, offsets, k, v = blocks[rows], offsets[rows], k[rows], v[rows]
+        # advanced indices around a slice put the row first: the values are (N, H_kv, D)
+        k_pool[blocks, :, offsets] = k.to(k_pool.dtype)
+        v_pool[blocks, :, offsets] = v.to(v_pool.dtype)
+
+    def _attend_single(
+        self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, span: AttentionSpan, kernel: bool
+    ) -> Tensor:
+        """The single-row sequences' attention: (1, H, B, D)."""
+        rows = self.single_rows
+        q1 = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # (B, H, 1, D)
+        k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        if kernel:
+            k1, v1 = (t[0, :, rows].transpose(0, 1).unsqueeze(2) for t in (k, v))
+            out = decode_attention(q1, k1, v1, k_pool, v_pool, self.single_tables, self.single_positions)
+        else:
+            keys = gather_keys(k_pool, self.single_tables, self.single_length).to(q.dtype)
+            values = gather_keys(v_pool, self.single_tables, self.single_length).to(q.dtype)
+            out = attend_over(q1, keys, values, self.single_positions[:, None], span)
+        return out[:, :, 0].transpose(0, 1).unsqueeze(0)
+
+
+def forward_flat(model: Transformer, cache: PagedKVCache, batch: FlatBatch, fused: FusedDecode | None = None) -> Tensor:
+    """Run every row of `batch` in one forward, writing its KV; the logits of `batch.logit_rows` (R, vocab).
+
+    Through the `fused` C++ step where the engine built one and it covers this many rows, else the model.
+    """
+    if fused is not None and fused.covers(batch.num_rows):
+        logits = fused(batch.tokens, cache.k, cache.v, batch.row_tables(), batch.positions)
+        return logits[batch.logit_rows]
+    attend = FlatAttend(cache, batch)
+    return model(batch.tokens[None], batch.positions[None], attend, rows=batch.logit_rows)[0]

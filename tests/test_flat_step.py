@@ -1,0 +1,165 @@
+"""One engine step = one flat forward (engine/flat.py): decode rows and prompt chunks of several sequences
+mixed in one batch give each sequence what its own full forward gives, for every weight format and both
+cache layouts, on the fused C++ step and on the Python model, on random models and the real one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_engine
+
+from inferlab.api import load_engine
+from inferlab.engine.block_manager import BlockTable
+from inferlab.engine.flat import FlatBatch, Segment, forward_flat
+from inferlab.kernels.build import cpu_gemv_available
+from inferlab.model.transformer import causal_attend
+
+QUANT = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "int8": (torch.float32, "int8")}
+QUANT["int4"] = (torch.float32, "int4")
+
+
+def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """The sequence's own causal forward over all its tokens, no cache: (T, vocab) in fp32."""
+    tokens = torch.tensor([token_ids])
+    with torch.inference_mode():
+        return model(tokens, torch.arange(len(token_ids))[None], causal_attend)[0].float()
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """fp32: summation-order noise (`max_abs`) and the same greedy token; the other formats: a cosine and the
+    greedy token but for a near-tie at the format's resolution (`tie`)."""
+
+    max_abs: float | None = None
+    min_cosine: float = 0.999
+    tie: float = 0.05
+
+
+EXACT, TINY = Tolerance(max_abs=1e-4), Tolerance()
+# the real model's kernel paths are two bf16-level approximations of int8/int4 (tests/test_kernels_real_model.py)
+REAL = {"fp32": Tolerance(max_abs=1e-3), "bf16": Tolerance(min_cosine=0.998, tie=0.3)}
+REAL |= {"int8": Tolerance(min_cosine=0.99, tie=0.3), "int4": Tolerance(min_cosine=0.99, tie=0.3)}
+
+
+def assert_close(expected: torch.Tensor, got: torch.Tensor, tol: Tolerance, what: str) -> None:
+    for e, g in zip(expected, got.float()):
+        if tol.max_abs is not None:
+            assert (e - g).abs().max() <= tol.max_abs, what
+            assert int(e.argmax()) == int(g.argmax()), what
+        else:
+            assert F.cosine_similarity(e, g, dim=0) >= tol.min_cosine, what
+            assert e[g.argmax()] >= e.max() - tol.tie, what
+
+
+class Steps:
+    """Sequences of an engine's KV memory fed through flat steps, each step checked against full forwards."""
+
+    def __init__(self, engine, reference_model, prompts: list[list[int]]) -> None:
+        self.engine, self.reference = engine, reference_model
+        self.tokens = [list(p) for p in prompts]  # every sequence's tokens, fed or not
+        self.tables = [BlockTable() for _ in prompts]
+        for table, prompt in zip(self.tables, prompts):
+            assert engine.blocks.allocate(table, prompt, len(prompt) + 8, reuse=False)
+
+    def step(self, feeds: dict[int, int], every: frozenset[int] = frozenset(), tol: Tolerance = EXACT) -> None:
+        """Feed sequence s its next feeds[s] tokens, all in one forward; a sequence in `every` wants all its
+        rows' logits. Checks each sequence's logits against its full forward, then appends its greedy token
+        to the sequences whose tokens are all in."""
+        segments = []
+        for s, n in feeds.items():
+            start = self.tables[s].num_computed
+            done = start + n == len(self.tokens[s])
+            segments.append(
+                Segment(self.tokens[s][start : start + n], start, self.tables[s].blocks, n if s in every else int(done))
+            )
+        batch = FlatBatch.pack(segments, torch.device("cpu"))
+        with torch.inference_mode():
+            logits = forward_flat(self.engine.model, self.engine.paged, batch, self.engine.fused)
+        rows = logits.split([seg.n_logits for seg in segments])
+        for (s, n), seg, got in zip(feeds.items(), segments, rows):
+            end = seg.start + n
+            expected = reference_logits(self.reference, self.tokens[s][:end])[end - seg.n_logits : end]
+            assert got.shape == expected.shape, s
+            assert_close(expected, got, tol, f"sequence {s}")
+            self.tables[s].num_computed = end
+            if end == len(self.tokens[s]):
+                self.tokens[s].append(int(expected[-1].argmax()))
+
+    def release(self) -> None:
+        for table in self.tables:
+            self.engine.blocks.free(table)
+
+
+def mixed_steps(steps: Steps, tol: Tolerance, small: bool) -> None:
+    """Prompts in chunks from 0, then steps mixing decodes with chunks that start mid-prompt and whole
+    prompts; `small` keeps each step within 8 rows (what today's fused step covers)."""
+    if small:
+        steps.step({0: 3, 1: 4}, tol=tol)  # two chunks from 0
+        steps.step({0: 2, 1: 3, 2: 3}, tol=tol)  # 0 ends its prompt, 1 continues, 2 starts
+        steps.step({0: 1, 1: 1, 2: 2, 3: 4}, every=frozenset({3}), tol=tol)  # decode, ends, a prompt's logprobs
+        for _ in range(3):
+            steps.step({0: 1, 1: 1, 2: 1, 3: 1}, tol=tol)  # decodes only
+        return
+    steps.step({0: 5, 1: 17, 2: 9}, tol=tol)  # 0's whole prompt, chunks of 1 and 2
+    steps.step({0: 1, 1: 16, 2: 24, 3: 11}, every=frozenset({3}), tol=tol)  # decode, chunk, end, logprobs
+    steps.step({0: 1, 1: 1, 2: 1, 3: 1, 4: 30}, tol=tol)  # four decodes beside a 30-token prompt
+    for _ in range(2):
+        steps.step({s: 1 for s in range(5)}, tol=tol)
+
+
+PROMPTS = [list(range(3 + 7 * s, 3 + 7 * s + n)) for s, n in enumerate((5, 40, 33, 11, 30))]
+SMALL_PROMPTS = [p[:n] for p, n in zip(PROMPTS, (5, 8, 5, 4, 1))]
+
+
+@pytest.mark.parametrize("cache_mode", ["contiguous", "paged"])
+@pytest.mark.parametrize("precision", list(QUANT))
+@pytest.mark.parametrize("kernels", ["portable", "fast"])
+@pytest.mark.parametrize("small", [True, False], ids=["fused-rows", "many-rows"])
+def test_a_mixed_step_equals_each_sequences_own_forward(
+    tiny_tokenizer, one_thread, cache_mode, precision, kernels, small
+):
+    if kernels == "fast" and not cpu_gemv_available():
+        pytest.skip("no AVX2 CPU or no C++ toolchain here")
+    dtype, quant = QUANT[precision]
+    kwargs = dict(dtype=dtype, quant=quant, dim=96, n_heads=6, n_kv_heads=2, qkv_bias=True)
+    engine = tiny_engine(tiny_tokenizer, cache_mode, slots=5, kernels=kernels, **kwargs)
+    reference = tiny_engine(tiny_tokenizer, cache_mode, slots=1, kernels="portable", **kwargs).model
+    assert (engine.fused is not None) == (kernels == "fast")
+    steps = Steps(engine, reference, SMALL_PROMPTS if small else PROMPTS)
+    mixed_steps(steps, EXACT if precision == "fp32" else TINY, small=small)
+    steps.release()
+    assert engine.blocks.num_used == 0
+
+
+def test_a_sliding_window_and_softcap_model_mixes_too(tiny_tokenizer, one_thread):
+    """Gemma-style layers (a window on every other layer, soft-capped scores) through the flat attention's
+    per-sequence spans."""
+    kwargs = dict(sliding_window=6, sliding_layers=[0], attn_softcap=20.0)
+    engine = tiny_engine(tiny_tokenizer, "paged", slots=5, **kwargs)
+    steps = Steps(engine, engine.model, PROMPTS)
+    mixed_steps(steps, EXACT, small=False)
+    steps.release()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_mode", ["contiguous", "paged"])
+@pytest.mark.parametrize("precision", list(QUANT))
+def test_a_mixed_step_on_the_real_model(cache_mode, precision):
+    """SmolLM2 in each format on its fastest path here: every step against each sequence's own full forward
+    through the same model."""
+    overrides = {"cache.max_seq_len": 256, "cache.slots": 5}
+    if cache_mode == "paged":
+        overrides["cache.kv_budget_mb"] = 32
+    engine = load_engine(precision=precision, cache=cache_mode, device="cpu", **overrides)
+    text = "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away, there lived"
+    ids = engine.tokenizer.encode(text * 3)
+    prompts = [ids[s : s + n] for s, n in zip((0, 3, 7, 11, 2), (5, 40, 33, 11, 30))]
+    steps = Steps(engine, engine.model, prompts)
+    mixed_steps(steps, REAL[precision], small=False)
+    steps.release()
+    small = Steps(engine, engine.model, [p[:n] for p, n in zip(prompts, (5, 8, 5, 4, 1))])
+    mixed_steps(small, REAL[precision], small=True)
+    small.release()
