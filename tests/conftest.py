@@ -108,6 +108,7 @@ def tiny_engine(
     kernels: str | None = None,
     quant: str | None = None,
     spec: dict | None = None,
+    kv_dtype: torch.dtype | None = None,
     **overrides,
 ) -> InferenceEngine:
     """`kernels` given: the model's layers are swapped for that choice (kernels/select.py) first, as
@@ -133,6 +134,7 @@ def tiny_engine(
         prefix_cache=False,
         scheduler=SchedulerConfig(max_running=16, max_waiting=64, max_batched_tokens=256),
         kernels=kernels or "fast",
+        kv_dtype=kv_dtype,
     )
     return InferenceEngine(loaded, config, speculation)
 

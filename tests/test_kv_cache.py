@@ -58,8 +58,8 @@ def test_chunked_prefill_with_offset_mask_matches_one_shot(tiny_tokenizer):
 
 def test_compute_kv_cache_bytes_equals_formula():
     config = tiny_config(n_layers=3, n_kv_heads=2, dim=64, n_heads=4)
-    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2), (torch.int8, 1)):
-        expected = 2 * 3 * 2 * 16 * 100 * size * 5
+    for dtype, row_bytes in ((torch.float32, 16 * 4), (torch.bfloat16, 16 * 2), (torch.int8, 16 + 4)):
+        expected = 2 * 3 * 2 * row_bytes * 100 * 5  # an int8 row of 16 codes carries its fp32 scale
         assert compute_kv_cache_bytes(config, batch_size=5, seq_len=100, dtype=dtype) == expected
     cache = KVCache(config, slots=5, max_seq_len=100, dtype=torch.bfloat16, device=torch.device("cpu"))
     assert cache.nbytes == compute_kv_cache_bytes(config, 5, 100, torch.bfloat16)

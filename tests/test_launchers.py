@@ -16,7 +16,7 @@ def test_a_smoke_sweep_through_the_launcher_writes_one_ok_result_per_job(launche
     run = bench("-m", "sweep=kv_memory", "size=smoke", f"hydra/launcher={launcher}", f"results_root={tmp_path}")
     assert run.returncode == 0, run.stderr[-2000:]
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.rglob("result.json"))]
-    assert sorted(r["choices"]["cache"] for r in results) == ["contiguous", "paged"]
+    assert sorted(r["choices"]["cache"] for r in results) == ["contiguous", "paged", "paged_int8"]
     for r in results:
         assert r["status"] == "ok", r["error"]
         assert r["sweep"] == "kv_memory" and r["rows"] and all(row["held_mb"] > 0 for row in r["rows"])

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
+from inferlab.engine.kv_int8 import KV_INT8
 from inferlab.engine.paged import blocks_for_budget
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
@@ -120,6 +121,7 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
     model_spec = OmegaConf.to_container(cfg.model, resolve=True)
     if cfg.cache.prefix and cfg.cache.mode != "paged":
         raise InvalidRequestError(f"cache.prefix=true needs cache=paged (got cache={cfg.cache.mode})")
+    kv_dtype = kv_dtype_of(cfg.cache)
     choose_isa(device, cfg.device.kernels, cfg.device.isa)
     # int4 at Q4_1's group size imports a GGUF's blocks as they are: those Linears are never dequantized
     leave_q4_1 = cfg.precision.quant == "int4" and cfg.precision.get("group_size") == Q4_1_GROUP
@@ -143,7 +145,7 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
         stop=list(cfg.stop),
     )
     kv_blocks = (
-        blocks_for_budget(loaded.config, cfg.cache.kv_budget_mb, cfg.cache.block_size, dtype)
+        blocks_for_budget(loaded.config, cfg.cache.kv_budget_mb, cfg.cache.block_size, kv_dtype or dtype)
         if cfg.cache.kv_budget_mb
         else 0
     )
@@ -160,8 +162,20 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
         prefix_cache=cfg.cache.prefix,
         scheduler=SchedulerConfig(**cfg.scheduler),
         kernels=cfg.device.kernels,
+        kv_dtype=kv_dtype,
     )
     return InferenceEngine(loaded, config, speculation)
+
+
+def kv_dtype_of(cache: DictConfig) -> torch.dtype | None:
+    """cache.kv_dtype: auto (None: the model's dtype) or int8 (codes + per-row scales, paged pools only)."""
+    if cache.kv_dtype == "auto":
+        return None
+    if cache.kv_dtype != "int8":
+        raise InvalidRequestError(f"cache.kv_dtype must be auto or int8 (got {cache.kv_dtype})")
+    if cache.mode != "paged":
+        raise InvalidRequestError(f"cache.kv_dtype=int8 needs cache=paged (got cache={cache.mode})")
+    return KV_INT8
 
 
 def _override_value(value: Any) -> str:

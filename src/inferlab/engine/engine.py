@@ -62,6 +62,11 @@ class EngineConfig:
     scheduler: SchedulerConfig
     kernels: str  # "fast" | "portable": kernels/select.py (device.kernels)
     precision: str = ""  # the precision served and, for precision=auto, why (the startup line)
+    kv_dtype: torch.dtype | None = None  # paged: the KV pool's element type; None = dtype, torch.int8 = codes + scales
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
 
 @dataclass
@@ -199,10 +204,10 @@ class InferenceEngine:
             tokens = config.kv_blocks * config.block_size or config.slots * config.max_seq_len
             num_blocks = -(-tokens // config.block_size)
             self.paged = PagedKVCache.allocate(
-                loaded.config, num_blocks, config.block_size, config.dtype, config.device
+                loaded.config, num_blocks, config.block_size, config.cache_dtype, config.device
             )
             self.paged.decode_kernel = decode_kernel
-            block_bytes = compute_kv_cache_bytes(loaded.config, 1, config.block_size, config.dtype)
+            block_bytes = compute_kv_cache_bytes(loaded.config, 1, config.block_size, config.cache_dtype)
             prefix = PrefixCache() if config.prefix_cache else None
             self.blocks = BlockManager(num_blocks, config.block_size, block_bytes, prefix)
         if self.blocks is not None:
@@ -438,7 +443,7 @@ class InferenceEngine:
         parts = [f"precision {c.precision or c.dtype}", f"cache={c.cache_mode}"]
         if c.cache_mode == "paged":
             parts.append(
-                f"{self.blocks.num_blocks} KV blocks of {c.block_size} tokens "
+                f"{self.blocks.num_blocks} KV blocks of {c.block_size} tokens in {str(c.cache_dtype).removeprefix('torch.')} "
                 f"({self.paged.nbytes / 2**20:.0f} MiB), prefix cache {'on' if c.prefix_cache else 'off'}"
             )
         elif c.cache_mode == "contiguous":

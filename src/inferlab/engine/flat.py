@@ -10,6 +10,7 @@ position, after every row's k/v is written), so decode rows and prompt chunks mi
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -76,13 +77,13 @@ class FlatBatch:
 
 def gather_keys(pool: Tensor, tables: Tensor, length: int) -> Tensor:
     """Positions 0..length-1 of each table's sequence, in order: pool (num_blocks, H, bs, D),
-    tables (B, width) -> (B, H, length, D)."""
+    tables (B, width) -> (B, H, length, D); an int8 cache's scales (num_blocks, H, bs) -> (B, H, length)."""
     bs = pool.shape[2]
     if length <= bs:  # one block (always, on the contiguous cache): slice it instead of copying the whole block
         return pool[tables[:, 0], :, :length]
-    blocks = pool[tables[:, : -(-length // bs)]]  # (B, nb, H, bs, D)
-    B, nb, H, _, D = blocks.shape
-    return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, D)[:, :, :length]
+    blocks = pool[tables[:, : -(-length // bs)]]  # (B, nb, H, bs, ...)
+    B, nb, H = blocks.shape[:3]
+    return blocks.transpose(1, 2).reshape(B, H, nb * bs, *blocks.shape[4:])[:, :, :length]
 
 
 class FlatAttend:
@@ -120,21 +121,21 @@ class FlatAttend:
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, span: AttentionSpan = PLAIN) -> Tensor:
         # q: (1, H, N, D); k, v: (1, H_kv, N, D) -> (1, H, N, D)
-        k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]  # (num_blocks, H_kv, bs, D)
         kernel = self.cache.decode_kernel and span.plain and self.single_length > 0
-        self._write(k_pool, v_pool, k, v, self.chunk_rows if kernel else None)
+        self._write(layer_idx, k, v, self.chunk_rows if kernel else None)
         if not self.chunks:
             return self._attend_single(layer_idx, q, k, v, span, kernel)
         out = torch.empty_like(q)
         if self.single_length:
             out[0, :, self.single_rows] = self._attend_single(layer_idx, q, k, v, span, kernel)[0]
         for rows, table, length in self.chunks:
-            keys = gather_keys(k_pool, table, length).to(q.dtype)
-            values = gather_keys(v_pool, table, length).to(q.dtype)
+            keys, values = self.cache.read(
+                layer_idx, functools.partial(gather_keys, tables=table, length=length), q.dtype
+            )
             out[:, :, rows] = attend_over(q[:, :, rows], keys, values, self.batch.positions[rows], span)
         return out
 
-    def _write(self, k_pool: Tensor, v_pool: Tensor, k: Tensor, v: Tensor, rows: Tensor | None) -> None:
+    def _write(self, layer_idx: int, k: Tensor, v: Tensor, rows: Tensor | None) -> None:
         """Every row's k/v (or those of `rows`) at its block and offset."""
         blocks, offsets = self.write_blocks, self.write_offsets
         k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, H_kv, D)
@@ -142,9 +143,7 @@ class FlatAttend:
             if not rows.numel():
                 return
             blocks, offsets, k, v = blocks[rows], offsets[rows], k[rows], v[rows]
-        # advanced indices around a slice put the row first: the values are (N, H_kv, D)
-        k_pool[blocks, :, offsets] = k.to(k_pool.dtype)
-        v_pool[blocks, :, offsets] = v.to(v_pool.dtype)
+        self.cache.write(layer_idx, blocks, offsets, k, v)
 
     def _attend_single(
         self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, span: AttentionSpan, kernel: bool
@@ -152,13 +151,15 @@ class FlatAttend:
         """The single-row sequences' attention: (1, H, B, D)."""
         rows = self.single_rows
         q1 = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # (B, H, 1, D)
-        k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        cache = self.cache
         if kernel:
             k1, v1 = (t[0, :, rows].transpose(0, 1).unsqueeze(2) for t in (k, v))
-            out = decode_attention(q1, k1, v1, k_pool, v_pool, self.single_tables, self.single_positions)
+            k_pool, v_pool = cache.k[layer_idx], cache.v[layer_idx]  # (num_blocks, H_kv, bs, D)
+            tables, positions = self.single_tables, self.single_positions
+            out = decode_attention(q1, k1, v1, k_pool, v_pool, tables, positions, *cache.scales(layer_idx))
         else:
-            keys = gather_keys(k_pool, self.single_tables, self.single_length).to(q.dtype)
-            values = gather_keys(v_pool, self.single_tables, self.single_length).to(q.dtype)
+            gather = functools.partial(gather_keys, tables=self.single_tables, length=self.single_length)
+            keys, values = cache.read(layer_idx, gather, q.dtype)
             out = attend_over(q1, keys, values, self.single_positions[:, None], span)
         return out[:, :, 0].transpose(0, 1).unsqueeze(0)
 
@@ -169,7 +170,7 @@ def forward_flat(model: Transformer, cache: PagedKVCache, batch: FlatBatch, fuse
     Through the `fused` C++ step where the engine built one and it covers this many rows, else the model.
     """
     if fused is not None and fused.covers(batch.num_rows):
-        logits = fused(batch.tokens, cache.k, cache.v, batch.row_tables(), batch.positions)
+        logits = fused(batch.tokens, cache.k, cache.v, batch.row_tables(), batch.positions, *cache.scales())
         return logits[batch.logit_rows]
     attend = FlatAttend(cache, batch)
     return model(batch.tokens[None], batch.positions[None], attend, rows=batch.logit_rows)[0]

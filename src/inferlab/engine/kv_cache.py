@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inferlab.engine.kv_int8 import KV_INT8, SCALE_DTYPE
 from inferlab.errors import CapacityError
 from inferlab.kernels.attention import decode_attention
 from inferlab.model.config import ModelConfig
@@ -15,9 +16,12 @@ from inferlab.model.transformer import PLAIN, AttentionSpan, attend_over
 
 
 def compute_kv_cache_bytes(config: ModelConfig, batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
-    """K and V for every layer: 2 * layers * kv_heads * head_dim * seq_len * bytes * batch."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * seq_len * itemsize * batch_size
+    """K and V for every layer: 2 * layers * kv_heads * head_dim * seq_len * bytes * batch; an int8 cache
+    also holds one fp32 scale per head_dim row: 2 * layers * kv_heads * (head_dim + 4) * seq_len * batch."""
+    row = config.head_dim * torch.empty(0, dtype=dtype).element_size()
+    if dtype == KV_INT8:
+        row += torch.empty(0, dtype=SCALE_DTYPE).element_size()
+    return 2 * config.n_layers * config.n_kv_heads * row * seq_len * batch_size
 
 
 class KVCache:

@@ -79,11 +79,19 @@ class FusedDecode:
         return batch_size <= GEMV_MAX_ROWS
 
     def __call__(
-        self, tokens: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, positions: Tensor
+        self,
+        tokens: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        block_tables: Tensor,
+        positions: Tensor,
+        k_scales: Tensor | None = None,
+        v_scales: Tensor | None = None,
     ) -> Tensor:
-        # tokens (B,) -> logits (B, vocab); k_cache, v_cache (n_layers, num_blocks, n_kv_heads, block_size, head_dim)
+        # tokens (B,) -> logits (B, vocab); k_cache, v_cache (n_layers, num_blocks, n_kv_heads, block_size, head_dim),
+        # int8 codes with k_scales, v_scales (n_layers, num_blocks, n_kv_heads, block_size) fp32
         x = self.model.tok_embeddings(tokens)  # (B, dim)
-        return self.plan.step(x, k_cache, v_cache, block_tables, positions)  # type: ignore[attr-defined]  # a C++ class
+        return self.plan.step(x, k_cache, v_cache, block_tables, positions, k_scales, v_scales)  # type: ignore[attr-defined]
 
     def extend(self, token_ids: list[int], k_cache: Tensor, v_cache: Tensor, block_table: Tensor, start: int) -> Tensor:
         """n <= GEMV_MAX_ROWS new tokens of ONE sequence at positions start.. as the n rows of one step -> logits

@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <type_traits>
 
 #include "simd.h"
 
@@ -25,26 +27,79 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kKeysPerThread = 256;  // below this many keys in all, one thread does every head (from 256
 // on, splitting a layer's heads across threads made int4 decode steps ~10% faster here at 128-256 positions)
 
-// One layer's keys or values: (num_blocks, H_kv, block_size, D), unit stride along D
+// One layer's keys or values: (num_blocks, H_kv, block_size, D), unit stride along D. An int8 pool holds
+// codes, with one fp32 scale per row in `scales` (num_blocks, H_kv, block_size): a row is written as
+// round(x / scale) with scale = max|x| / 127 (engine/kv_int8.py does the same) and read as scale * code.
 template <typename T>
 struct KvPool {
+  static constexpr bool kInt8 = std::is_same_v<T, int8_t>;
   T* data;
   int64_t block_stride, head_stride, row_stride, block_size;
+  float* scales = nullptr;
+  int64_t scale_block_stride = 0, scale_head_stride = 0, scale_row_stride = 0;
 
-  explicit KvPool(const at::Tensor& pool)
+  KvPool(const at::Tensor& pool, const std::optional<at::Tensor>& scales_)
       : data(pool.data_ptr<T>()), block_stride(pool.stride(0)), head_stride(pool.stride(1)),
-        row_stride(pool.stride(2)), block_size(pool.size(2)) {}
+        row_stride(pool.stride(2)), block_size(pool.size(2)) {
+    if constexpr (kInt8) set_scales(*scales_, 0, 0);
+  }
 
-  // layer `layer` of every layer's pools (n_layers, num_blocks, H_kv, block_size, D)
-  KvPool(const at::Tensor& layers, int64_t layer)
+  // layer `layer` of every layer's pools (n_layers, num_blocks, H_kv, block_size, D), scales (n_layers, ...)
+  KvPool(const at::Tensor& layers, int64_t layer, const std::optional<at::Tensor>& scales_)
       : data(layers.data_ptr<T>() + layer * layers.stride(0)), block_stride(layers.stride(1)),
-        head_stride(layers.stride(2)), row_stride(layers.stride(3)), block_size(layers.size(3)) {}
+        head_stride(layers.stride(2)), row_stride(layers.stride(3)), block_size(layers.size(3)) {
+    if constexpr (kInt8) set_scales(*scales_, 1, layer * scales_->stride(0));
+  }
 
   // position l of head h of the sequence whose block table is `table`
   T* row(const int64_t* table, int64_t h, int64_t l) const {
     return data + table[l / block_size] * block_stride + h * head_stride + (l % block_size) * row_stride;
   }
+
+  // what the row's stored values are multiplied by: its scale for int8 codes, else 1
+  float scale(const int64_t* table, int64_t h, int64_t l) const {
+    if constexpr (kInt8) {
+      return scales[table[l / block_size] * scale_block_stride + h * scale_head_stride + (l % block_size) * scale_row_stride];
+    } else {
+      return 1.0f;
+    }
+  }
+
+  // x (D,) fp32 stored at position l of head h: converted, or quantized with its scale
+  void write(const int64_t* table, int64_t h, int64_t l, const float* x, int64_t D) const {
+    T* out = row(table, h, l);
+    if constexpr (kInt8) {
+      float absmax = 0.0f;
+      for (int64_t i = 0; i < D; ++i) absmax = std::max(absmax, std::abs(x[i]));
+      const float s = absmax / 127.0f, divisor = s > 0.0f ? s : 1.0f;
+      for (int64_t i = 0; i < D; ++i) out[i] = static_cast<int8_t>(std::nearbyint(x[i] / divisor));
+      scales[table[l / block_size] * scale_block_stride + h * scale_head_stride + (l % block_size) * scale_row_stride] = s;
+    } else {
+      std::transform(x, x + D, out, [](float value) { return static_cast<T>(value); });
+    }
+  }
+
+ private:
+  // the scales' (block, head, row) strides are those of dims first.. of `t`, starting `offset` floats in
+  void set_scales(const at::Tensor& t, int64_t first, int64_t offset) {
+    scales = t.data_ptr<float>() + offset;
+    scale_block_stride = t.stride(first);
+    scale_head_stride = t.stride(first + 1);
+    scale_row_stride = t.stride(first + 2);
+  }
 };
+
+// Checks that an int8 pool (blocks..., H_kv, block_size, D) comes with fp32 scales of its shape but D,
+// and that no other pool does
+inline void check_kv_scales(const at::Tensor& pool, const std::optional<at::Tensor>& scales, const char* who) {
+  if (pool.scalar_type() != at::kChar) {
+    TORCH_CHECK(!scales.has_value(), who, ": scales come only with an int8 pool");
+    return;
+  }
+  TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat &&
+                  scales->sizes() == pool.sizes().slice(0, pool.dim() - 1),
+              who, ": an int8 pool needs float32 scales of its shape without head_dim");
+}
 
 // Where each of B sequences keeps its keys: its row of `block_tables` (B, width) int64, and the position
 // of its new token, `positions` (B,) int64; checked against a pool of num_blocks blocks of block_size
@@ -75,6 +130,7 @@ struct SequenceBlocks {
 };
 
 // out (D,) = softmax(q . k_l * scale over l < L) @ v, q (D,) fp32, over head h of one sequence's keys
+// (int8 rows: q . codes times the row's scale, and each value row's weight times its scale)
 template <typename T>
 void attend_head(const float* q, const KvPool<T>& keys, const KvPool<T>& values, const int64_t* table, int64_t h,
                  int64_t L, int64_t D, float scale, float* out) {
@@ -88,7 +144,7 @@ void attend_head(const float* q, const KvPool<T>& keys, const KvPool<T>& values,
     const T* key = keys.row(table, h, l);
     S::V acc = S::mul(qv[0], S::load(key));
     for (int64_t j = 1; j < V; ++j) acc = S::fmadd(qv[j], S::load(key + 8 * j), acc);
-    p[l] = S::sum(acc);
+    p[l] = S::sum(acc) * keys.scale(table, h, l);
     max_score = std::max(max_score, p[l]);
   }
   const S::V max8 = S::set1(max_score);
@@ -104,7 +160,7 @@ void attend_head(const float* q, const KvPool<T>& keys, const KvPool<T>& values,
   S::V acc[kMaxHeadDim / 8];
   for (int64_t j = 0; j < V; ++j) acc[j] = S::zero();
   for (l = 0; l < L; ++l) {
-    const S::V weight = S::set1(p[l]);
+    const S::V weight = S::set1(p[l] * values.scale(table, h, l));
     const T* value = values.row(table, h, l);
     for (int64_t j = 0; j < V; ++j) acc[j] = S::fmadd(weight, S::load(value + 8 * j), acc[j]);
   }
@@ -124,8 +180,8 @@ void write_and_attend(const float* q, const float* k, const float* v, const KvPo
     for (int64_t h = 0; h < H_kv; ++h) {
       const float* k_new = k + (b * H_kv + h) * D;
       const float* v_new = v + (b * H_kv + h) * D;
-      std::transform(k_new, k_new + D, k_pool.row(table, h, positions[b]), [](float x) { return static_cast<T>(x); });
-      std::transform(v_new, v_new + D, v_pool.row(table, h, positions[b]), [](float x) { return static_cast<T>(x); });
+      k_pool.write(table, h, positions[b], k_new, D);
+      v_pool.write(table, h, positions[b], v_new, D);
     }
     keys += H * (positions[b] + 1);
   }

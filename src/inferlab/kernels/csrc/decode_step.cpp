@@ -76,9 +76,10 @@ class DecodePlan : public torch::CustomClassHolder {
 
   // x (B, dim) the new tokens' embeddings; caches (n_layers, num_blocks, H_kv, block_size, D);
   // block_tables (B, n) int64; positions (B,) int64 -> logits (B, vocab) in x's dtype. Writes each
-  // sequence's k/v at its position of every layer's cache.
+  // sequence's k/v at its position of every layer's cache. int8 caches come with their scales
+  // (n_layers, num_blocks, H_kv, block_size) fp32 (attention.h's KvPool).
   at::Tensor step(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                  at::Tensor positions) {
+                  at::Tensor positions, std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales) {
     const int64_t B = x.size(0), L = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(x.dim() == 2 && x.size(1) == dim_ && B >= 1 && B <= inferlab::kMaxRows,
                 "DecodePlan.step: x must be (B, ", dim_, ") with B <= ", inferlab::kMaxRows);
@@ -90,16 +91,25 @@ class DecodePlan : public torch::CustomClassHolder {
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(seqs.pos[b] < rope_rows_, "DecodePlan.step: position ", seqs.pos[b], " is outside the rope tables");
     }
-    TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
-                "DecodePlan.step: float32 or bfloat16 caches only, got ", k_cache.scalar_type());
-    return k_cache.scalar_type() == at::kFloat ? run<float>(x, k_cache, v_cache, seqs.table, seqs.width, seqs.pos)
-                                               : run<at::BFloat16>(x, k_cache, v_cache, seqs.table, seqs.width, seqs.pos);
+    const at::ScalarType kv = k_cache.scalar_type();
+    TORCH_CHECK(kv == at::kFloat || kv == at::kBFloat16 || kv == at::kChar,
+                "DecodePlan.step: float32, bfloat16 or int8 caches only, got ", kv);
+    inferlab::check_kv_scales(k_cache, k_scales, "DecodePlan.step");
+    inferlab::check_kv_scales(v_cache, v_scales, "DecodePlan.step");
+    auto run_on = [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      return run<T>(x, k_cache, v_cache, k_scales, v_scales, seqs.table, seqs.width, seqs.pos);
+    };
+    if (kv == at::kFloat) return run_on(static_cast<float*>(nullptr));
+    if (kv == at::kBFloat16) return run_on(static_cast<at::BFloat16*>(nullptr));
+    return run_on(static_cast<int8_t*>(nullptr));
   }
 
  private:
   template <typename T>
-  at::Tensor run(const at::Tensor& x, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
-                 int64_t width, const int64_t* pos) const {
+  at::Tensor run(const at::Tensor& x, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
+                 const int64_t* table, int64_t width, const int64_t* pos) const {
     const int64_t B = x.size(0), qkv_width = (H_ + 2 * H_kv_) * D_, hidden = layers_.empty() ? 0 : layers_[0].w2.K;
     Floats residual(x, /*copy=*/true);
     float* h = residual.mutable_data();  // (B, dim), fp32 throughout
@@ -129,8 +139,9 @@ class DecodePlan : public torch::CustomClassHolder {
           }
           std::copy(row + (H_ + H_kv_) * D_, row + qkv_width, v.data() + b * H_kv_ * D_);
         }
-        inferlab::write_and_attend(q.data(), k.data(), v.data(), KvPool<T>(k_cache, i), KvPool<T>(v_cache, i), table,
-                                   width, pos, B, H_, H_kv_, D_, scale, attended.data());
+        inferlab::write_and_attend(q.data(), k.data(), v.data(), KvPool<T>(k_cache, i, k_scales),
+                                   KvPool<T>(v_cache, i, v_scales), table, width, pos, B, H_, H_kv_, D_, scale,
+                                   attended.data());
       }
       {
         RECORD_FUNCTION("decode_step: wo+residual", kNoInputs);
