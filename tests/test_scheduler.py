@@ -317,12 +317,12 @@ def test_the_engine_loop_never_leaks_and_gives_single_request_tokens(
             engine.scheduler.cancel(requests[op[1] % len(requests)])
         elif op[0] == "step":
             for _ in range(op[1]):
-                engine.step()
+                engine.loop.step()
                 check_invariants(engine.scheduler)
     for _ in range(10_000):
         if not engine.scheduler.has_work():
             break
-        engine.step()
+        engine.loop.step()
         check_invariants(engine.scheduler)
     assert not engine.scheduler.has_work()
     event(f"preempted: {engine.scheduler.preemptions > 0}")
@@ -333,3 +333,36 @@ def test_the_engine_loop_never_leaks_and_gives_single_request_tokens(
             assert request.output_ids == expected
         else:
             assert request.cancelled
+
+
+def test_every_way_in_on_the_paged_cache_goes_through_the_engine_loop(tiny_tokenizer):
+    """generate, chat, stream_generate, submit and generate_batch all run as engine-loop steps on the paged
+    cache, each giving the single-sequence reference's tokens."""
+    engine = paged_engine(tiny_tokenizer, kv_blocks=64)
+    reference = tiny_engine(tiny_tokenizer, "contiguous", slots=1)
+    steps: list[int] = []
+    step = engine.loop.step
+    engine.loop.step = lambda: steps.append(1) or step()
+    prompt, messages = list(range(5, 25)), [{"role": "user", "content": "Hello there"}]
+    params = SamplingParams(max_new_tokens=8)
+
+    def stream(method) -> list[int]:
+        async def main() -> list[int]:  # submit queues at once: call it on a running event loop
+            return await collect(method(GenerationRequest(prompt, params)))
+
+        return asyncio.run(main())
+
+    expected = reference.generate(prompt, max_new_tokens=8).token_ids
+    ways = {
+        "generate": lambda: engine.generate(prompt, max_new_tokens=8).token_ids,
+        "chat": lambda: engine.chat(messages, max_new_tokens=8).token_ids,
+        "stream_generate": lambda: stream(engine.stream_generate),
+        "submit": lambda: stream(engine.submit),
+        "generate_batch": lambda: engine.generate_batch([prompt, prompt[3:]], max_new_tokens=8)[0].token_ids,
+    }
+    for name, way in ways.items():
+        before = len(steps)
+        want = reference.chat(messages, max_new_tokens=8).token_ids if name == "chat" else expected
+        assert way() == want, name
+        assert len(steps) - before >= 8, name  # the prompt, then one step per further token (at least)
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["requests_running"] == 0

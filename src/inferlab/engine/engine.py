@@ -1,19 +1,18 @@
-"""InferenceEngine: prompt -> prefill -> decode steps -> sampling -> text, with timings.
+"""InferenceEngine, the request front door: prompt -> tokens -> the engine loop or a single sequence -> text.
 
-A single request's KV lives in a `Sequence`: a slot of the contiguous cache, blocks of the paged
-pool, or (cache=none) just its token ids, recomputed in full at every step as the baseline the
-KV-cache study measures against. Concurrent requests (`submit`, `generate_batch`) go through one
-engine loop: a thread that owns the model and the KV memory and runs `step()` = schedule -> run ->
-sample -> stream, every running request's decode token and prompt chunks in one flat forward.
+On the paged cache every way in (`generate`, `chat`, `stream_generate`, `submit`, `generate_batch`)
+goes through the engine loop (engine/loop.py: schedule -> one flat forward -> sample -> stream),
+batched with whatever else runs. The single-sequence reference (engine/single.py: `prefill`,
+`decode_step`) serves `generate` on the contiguous cache and cache=none (recomputed in full at every
+step, the baseline the KV-cache study measures against); `generate_batch` on the contiguous cache runs
+the seed's left-padded static batch; speculative decoding runs one request at a time, drafted and verified.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import threading
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -23,29 +22,24 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
-from inferlab.engine.block_manager import BlockManager, BlockTable
-from inferlab.engine.flat import FlatBatch, Segment, forward_flat
-from inferlab.engine.kv_cache import CachedAttend, KVCache, SlotPool, compute_kv_cache_bytes
-from inferlab.engine.paged import PagedKVCache, forward_paged
+from inferlab.engine.block_manager import BlockManager
+from inferlab.engine.kv_cache import KVCache, SlotPool, compute_kv_cache_bytes
+from inferlab.engine.loop import EngineLoop, FaultHook
+from inferlab.engine.paged import PagedKVCache
 from inferlab.engine.prefix_cache import PrefixCache
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent, Timings
+from inferlab.engine.single import CachedSequence, PagedSequence, RecomputeSequence, Sequence
 from inferlab.engine.speculative import Speculation, stream_events
 from inferlab.engine.stop import TextStream
-from inferlab.errors import CapacityError, EngineFailedError, GenerationError, InvalidRequestError
+from inferlab.errors import CapacityError, InvalidRequestError
 from inferlab.kernels.attention import decode_attention_applies
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.loader import LoadedModel
-from inferlab.model.transformer import Transformer, causal_attend
+from inferlab.model.transformer import Transformer
 
 CONTEXT_MARGIN = 16  # a prompt must leave at least this many positions for generation
-
-log = logging.getLogger(__name__)
-
-# Tests inject a fault here: called with the stage ("forward", "sample") and the requests it covers;
-# raising an Exception fails that work, raising a BaseException (SystemExit) stops the engine loop.
-FaultHook = Callable[[str, "list[Request]"], None]
 
 
 @dataclass
@@ -86,92 +80,6 @@ class GenerationRequest:
     priority: int = 0  # lower is admitted sooner; equal priorities go first-come first-served
 
 
-class Sequence(ABC):
-    """One request's KV state. `forward(new_ids)` appends tokens and returns the last position's logits."""
-
-    def __init__(self, model: Transformer, device: torch.device) -> None:
-        self.model, self.device, self.length = model, device, 0
-
-    @abstractmethod
-    def forward(self, token_ids: list[int]) -> Tensor: ...
-
-    def release(self) -> None:
-        """Give the KV memory back (idempotent)."""
-
-
-class CachedSequence(Sequence):
-    def __init__(
-        self, model: Transformer, device: torch.device, pool: SlotPool, n_tokens: int, fused: FusedDecode | None = None
-    ) -> None:
-        super().__init__(model, device)
-        self.pool, self.slot, self.fused = pool, pool.allocate(n_tokens), fused
-        self.block_table = torch.tensor([[self.slot]], device=device)  # the slot is one max_seq_len block
-
-    def forward(self, token_ids: list[int]) -> Tensor:
-        n = len(token_ids)
-        if self.fused is not None and self.fused.covers(n):
-            cache = self.pool.cache
-            logits = self.fused.extend(token_ids, cache.k, cache.v, self.block_table, self.length)
-            self.length += n
-            return logits[-1]
-        tokens = torch.tensor([token_ids], device=self.device)
-        positions = torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
-        attend = CachedAttend(self.pool.cache, self.length, n, slice(self.slot, self.slot + 1))
-        logits = self.model(tokens, positions, attend, last_only=True)
-        self.length += n
-        return logits[0, -1]
-
-    def release(self) -> None:
-        if self.slot is not None:
-            self.pool.release(self.slot)
-            self.slot = None
-
-
-class RecomputeSequence(Sequence):
-    def __init__(self, model: Transformer, device: torch.device) -> None:
-        super().__init__(model, device)
-        self.token_ids: list[int] = []
-
-    def forward(self, token_ids: list[int]) -> Tensor:
-        self.token_ids += token_ids
-        self.length = len(self.token_ids)
-        tokens = torch.tensor([self.token_ids], device=self.device)
-        positions = torch.arange(self.length, device=self.device).unsqueeze(0)
-        return self.model(tokens, positions, causal_attend, last_only=True)[0, -1]
-
-
-class PagedSequence(Sequence):
-    """A single request's KV in blocks of the paged pool, its prompt's cached prefix blocks reused."""
-
-    def __init__(
-        self,
-        model: Transformer,
-        device: torch.device,
-        cache: PagedKVCache,
-        blocks: BlockManager,
-        prompt_ids: list[int],
-        fused: FusedDecode | None = None,
-    ) -> None:
-        super().__init__(model, device)
-        self.cache, self.blocks, self.kv, self.token_ids, self.fused = cache, blocks, BlockTable(), [], fused
-        if not blocks.allocate(self.kv, prompt_ids, len(prompt_ids)):
-            raise CapacityError(f"the KV pool has no room for {len(prompt_ids)} prompt tokens now; retry later")
-        self.length = self.kv.num_computed
-
-    def forward(self, token_ids: list[int]) -> Tensor:
-        self.token_ids += token_ids
-        if not self.blocks.ensure_room(self.kv, len(self.token_ids)):
-            raise CapacityError("the KV pool ran out of blocks; retry later or raise cache.kv_budget_mb")
-        start = self.kv.num_computed
-        logits = forward_paged(self.model, self.cache, [self.token_ids[start:]], [start], [self.kv.blocks], self.fused)
-        self.blocks.advance(self.kv, self.token_ids, len(self.token_ids) - start)
-        self.length = self.kv.num_computed
-        return logits[0]
-
-    def release(self) -> None:
-        self.blocks.free(self.kv)
-
-
 class InferenceEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, speculation: Speculation | None = None) -> None:
         self.loaded, self.config = loaded, config
@@ -183,7 +91,7 @@ class InferenceEngine:
         self.pool: SlotPool | None = None
         self.paged: PagedKVCache | None = None  # the KV memory the engine loop reads through block tables
         self.blocks: BlockManager | None = None
-        self.scheduler: Scheduler | None = None
+        self.loop: EngineLoop | None = None  # the engine loop over `paged` (both cache layouts)
         decode_kernel = decode_attention_applies(config.device, config.dtype, loaded.config.head_dim, config.kernels)
         # a cached decode step of at most FusedDecode.covers rows runs as one C++ call (None: the Python model)
         self.fused = (
@@ -210,15 +118,31 @@ class InferenceEngine:
             block_bytes = compute_kv_cache_bytes(loaded.config, 1, config.block_size, config.cache_dtype)
             prefix = PrefixCache() if config.prefix_cache else None
             self.blocks = BlockManager(num_blocks, config.block_size, block_bytes, prefix)
-        if self.blocks is not None:
-            self.scheduler = Scheduler(self.blocks, config.scheduler)
         self._lock = threading.Lock()  # one forward at a time: the model and the KV memory have one owner
-        self._wake = threading.Condition()  # the engine loop sleeps on it while there is nothing to do
-        self._loop_thread: threading.Thread | None = None
+        if self.blocks is not None:
+            self.loop = EngineLoop(self.model, self.paged, self.blocks, config.scheduler, self.fused, self._lock)
+        self.scheduler: Scheduler | None = self.loop.scheduler if self.loop else None
         self._request_ids = itertools.count()
-        self._single_running = 0  # requests on the one-at-a-time path (generate, stream_generate)
-        self.failure: str | None = None  # why the engine loop stopped; set once, then every submit is refused
-        self.fault_hook: FaultHook | None = None  # tests only
+        self._single_running = 0  # requests on a one-at-a-time path (single sequences, static batches, spec)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine loop stopped; set once, then every request is refused."""
+        return self.loop.failure if self.loop else None
+
+    @property
+    def fault_hook(self) -> FaultHook | None:
+        return self.loop.fault_hook if self.loop else None
+
+    @fault_hook.setter
+    def fault_hook(self, hook: FaultHook | None) -> None:  # tests only
+        if self.loop is not None:
+            self.loop.fault_hook = hook
+
+    @property
+    def through_loop(self) -> bool:
+        """Whether generate, chat and stream_generate go through the engine loop: on the paged cache, spec off."""
+        return self.config.cache_mode == "paged" and self.speculation is None
 
     # ---- the steps -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -301,10 +225,27 @@ class InferenceEngine:
 
     def iter_events(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         """Generate token by token; the last event closes the request with its finish reason and timings."""
-        self.check_supported(params, loop=False)
+        self.check_supported(params, loop=self.through_loop)
         if self.speculation is not None:
             yield from self._iter_speculative(prompt_ids, params)
-            return
+        elif self.through_loop:
+            yield from self._iter_loop(prompt_ids, params)
+        else:
+            yield from self._iter_single(prompt_ids, params)
+
+    def _iter_loop(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
+        """Through the engine loop, with the caller waiting (not bounded by the wait queue); closing cancels."""
+        self.check_prompt(prompt_ids)
+        inbox: SimpleQueue = SimpleQueue()
+        request = self._new_request(prompt_ids, params, inbox.put)
+        self.loop.add(request, bounded=False)
+        try:
+            yield from drain(inbox)
+        finally:
+            self.loop.cancel(request)
+
+    def _iter_single(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
+        """One sequence's prefill then decode steps (engine/single.py), the engine lock taken per forward."""
         request = self._new_request(prompt_ids, params, emit=lambda item: None)  # events are yielded, not emitted
         with self._lock:
             logits, seq = self.prefill(prompt_ids, reserve_tokens=request.max_new_tokens)
@@ -376,18 +317,18 @@ class InferenceEngine:
     ) -> list[Completion]:
         """Complete several raw prompts together; the completions come back in prompt order.
 
-        contiguous: left-padded static batches of at most `slots` prompts; paged: the continuous-batching
-        loop; none: one after another (the recompute baseline batches nothing).
+        contiguous: left-padded static batches of at most `slots` prompts (the seed's reference path);
+        paged: the engine loop; none: one after another (the recompute baseline batches nothing).
         """
         params = self.sampling_params(max_new_tokens=max_new_tokens, **sampling)
-        self.check_supported(params, loop=self.config.cache_mode == "paged")
+        self.check_supported(params, loop=self.through_loop)
         prompt_ids = [self.encode_prompt(p) for p in prompts]
         for ids in prompt_ids:
             self.check_prompt(ids)
         if self.config.cache_mode == "contiguous":
             waves = [prompt_ids[i : i + self.config.slots] for i in range(0, len(prompt_ids), self.config.slots)]
             return [c for wave in waves for c in self._generate_left_padded(wave, params)]
-        if self.scheduler is not None:
+        if self.through_loop:
             return self._generate_scheduled(prompt_ids, params)
         return [self._collect(self.iter_events(ids, params)) for ids in prompt_ids]
 
@@ -417,25 +358,15 @@ class InferenceEngine:
 
     def _generate_scheduled(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         """All prompts through the engine loop at once (not bounded by the wait queue: the caller waits)."""
-        inbox: SimpleQueue = SimpleQueue()
-        requests = [
-            self._new_request(ids, params, lambda item, i=i: inbox.put((i, item))) for i, ids in enumerate(prompt_ids)
-        ]
-        events: list[list[StreamEvent]] = [[] for _ in prompt_ids]
+        inboxes: list[SimpleQueue] = [SimpleQueue() for _ in prompt_ids]
+        requests = [self._new_request(ids, params, inbox.put) for ids, inbox in zip(prompt_ids, inboxes)]
         try:
             for request in requests:
-                self._enqueue(request, bounded=False)
-            open_requests = len(requests)
-            while open_requests:
-                i, item = inbox.get()
-                if isinstance(item, BaseException):
-                    raise item
-                events[i].append(item)
-                open_requests -= item.finish_reason is not None
+                self.loop.add(request, bounded=False)
+            return [self._collect(drain(inbox)) for inbox in inboxes]
         finally:
             for request in requests:
-                self._cancel(request)
-        return [self._collect(iter(e)) for e in events]
+                self.loop.cancel(request)
 
     def describe(self) -> str:
         """The serving choices in one line: precision, KV memory, how many sequences run at once."""
@@ -480,8 +411,12 @@ class InferenceEngine:
         one at a time, drafted and verified.
         """
         self.check_supported(request.params, loop=self.speculation is None)
-        if self.scheduler is None or self.speculation is not None:
+        if self.loop is None or self.speculation is not None:
             return self.stream_generate(request)
+        return self._submit(request, bounded=True)
+
+    def _submit(self, request: GenerationRequest, bounded: bool) -> AsyncIterator[StreamEvent]:
+        """Queue `request` on the engine loop now; its events arrive on this event loop."""
         prompt_ids = self.encode_prompt(request.prompt, request.chat, request.messages)
         self.check_prompt(prompt_ids)
         loop = asyncio.get_running_loop()
@@ -492,7 +427,7 @@ class InferenceEngine:
             lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
             priority=request.priority,
         )
-        self._enqueue(scheduled)
+        self.loop.add(scheduled, bounded)
         return self._events(scheduled, inbox)
 
     async def _events(self, request: Request, inbox: asyncio.Queue) -> AsyncIterator[StreamEvent]:
@@ -505,9 +440,9 @@ class InferenceEngine:
                 if item.finish_reason is not None:
                     return
         finally:
-            self._cancel(request)
+            self.loop.cancel(request)
 
-    # ---- the engine loop -------------------------------------------------------------------------
+    # ---- requests ----------------------------------------------------------------------------------
     def _new_request(
         self,
         prompt_ids: list[int],
@@ -531,136 +466,14 @@ class InferenceEngine:
             priority,
         )
 
-    def _enqueue(self, request: Request, bounded: bool = True) -> None:
-        if self.failure is None:
-            self.scheduler.add(request, bounded)
-        if self.failure is not None:  # checked again: the loop may have stopped (and drained) meanwhile
-            self.scheduler.finish(request)
-            raise EngineFailedError(self.failure)
-        with self._wake:
-            if self._loop_thread is None:
-                self._loop_thread = threading.Thread(target=self._run_loop, name="inferlab-engine", daemon=True)
-                self._loop_thread.start()
-            self._wake.notify()
-
-    def _cancel(self, request: Request) -> None:
-        """Cancel (a no-op once it ended); the loop frees its blocks before its next forward."""
-        if not request.finished:
-            self.scheduler.cancel(request)
-            with self._wake:
-                self._wake.notify()
-
-    def _run_loop(self) -> None:
-        """Run steps while there is work. A failure of one request's work fails that request alone (`_run`);
-        the scheduler failing fails the requests it held; anything that escapes stops the loop for good:
-        `failure` says why (the server's /health turns 503 and the process exits), and every waiting
-        request is told at once."""
-        try:
-            while True:
-                with self._wake:
-                    self._wake.wait_for(self.scheduler.has_work)
-                with self._lock:
-                    try:
-                        progressed = self.step()
-                    except Exception as error:  # the scheduler's own state is in doubt: start from empty
-                        progressed = True
-                        log.error("an engine step failed; its requests are dropped", exc_info=error)
-                        for request in self.scheduler.drain():
-                            self._deliver(request, GenerationError(f"the engine step failed ({type(error).__name__})"))
-                if not progressed:  # waiting for memory another path holds: do not spin
-                    with self._wake:
-                        self._wake.wait(0.005)
-        except BaseException as error:
-            self.failure = f"the engine loop stopped: {type(error).__name__} {error}".strip()
-            log.critical("%s; every request is refused from now on", self.failure, exc_info=error)
-            for request in self.scheduler.drain():
-                self._deliver(request, EngineFailedError(self.failure))
-
-    @torch.inference_mode()
-    def step(self) -> bool:
-        """One turn of the loop: schedule -> run (one flat forward) -> sample -> stream.
-
-        Call it with the engine lock held (the loop does). Returns whether any token was computed.
-        """
-        work = self.scheduler.schedule().work
-        if work:
-            self._run(work)
-        return bool(work)
-
-    def _run(self, work: list[tuple[Request, int]]) -> None:
-        """Feed each request its next `n` uncomputed tokens, all in one forward; sample those whose tokens are all in.
-
-        A forward that raises is run again request by request (rewriting the same KV positions), so only
-        the request that caused it fails; a request whose sampling, stop check or text fails fails alone.
-        """
-        try:
-            logits = self._forward(work)
-        except Exception as error:
-            if len(work) == 1:
-                self._fail(work[0][0], "forward", error)
-            else:
-                for item in work:
-                    self._run([item])
-            return
-        for (request, n), rows in zip(work, logits):
-            try:
-                events = self._sample(request, rows, n)
-            except Exception as error:
-                self._fail(request, "sample", error)
-                continue
-            if request.finished:  # free first: a client that saw the closing event finds the memory back
-                self.scheduler.finish(request)
-            for event in events:
-                self._deliver(request, event)
-
-    def _forward(self, work: list[tuple[Request, int]]) -> list[Tensor]:
-        """The step's one forward: each request's logits rows (n_logits, vocab), as `_segment` asks."""
-        if self.fault_hook is not None:
-            self.fault_hook("forward", [r for r, _ in work])
-        segments = [self._segment(r, n) for r, n in work]
-        logits = forward_flat(self.model, self.paged, FlatBatch.pack(segments, self.config.device), self.fused)
-        return list(logits.split([s.n_logits for s in segments]))
-
-    @staticmethod
-    def _segment(request: Request, n: int) -> Segment:
-        """A request's next `n` tokens; the logits wanted: every row of a prompt whose log-probabilities are
-        asked, the last row once its tokens are all in, none for a prompt chunk with more to come."""
-        start = request.kv.num_computed
-        n_logits = n if request.records_prompt_logits else int(start + n == request.num_tokens)
-        return Segment(request.token_ids[start : start + n], start, request.kv.blocks, n_logits)
-
-    def _sample(self, request: Request, rows: Tensor, n: int) -> list[StreamEvent]:
-        """Record the `n` computed tokens; the events of the next token once the prompt is all in."""
-        if request.records_prompt_logits:
-            request.record_prompt_logits(request.kv.num_computed, rows)
-        self.blocks.advance(request.kv, request.token_ids, n)
-        if request.num_uncomputed:
-            return []  # a prompt chunk: its next token comes after the last chunk
-        if self.fault_hook is not None:
-            self.fault_hook("sample", [request])
-        return request.sample(rows[-1])
-
-    def _fail(self, request: Request, stage: str, error: Exception) -> None:
-        log.error("request %d failed in its %s; the others continue", request.request_id, stage, exc_info=error)
-        request.finish_reason = "error"
-        self.scheduler.finish(request)
-        self._deliver(
-            request,
-            GenerationError(
-                f"generation failed in this request's {stage} step "
-                f"({type(error).__name__}); the server log has the details"
-            ),
-        )
-
-    @staticmethod
-    def _deliver(request: Request, item: StreamEvent | BaseException) -> None:
-        try:
-            request.emit(item)
-        except RuntimeError:  # the client's event loop is gone: nobody is listening
-            request.cancelled = True
-
     async def stream_generate(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
-        """Async view of `iter_events`: the tensor work runs in a worker thread, never on the event loop."""
+        """Async view of `iter_events`: through the engine loop on the paged cache (not bounded by the wait queue),
+        else in a worker thread; the tensor work never runs on the event loop."""
+        self.check_supported(request.params, loop=self.through_loop)
+        if self.through_loop:
+            async for event in self._submit(request, bounded=False):
+                yield event
+            return
         prompt_ids = self.encode_prompt(request.prompt, request.chat, request.messages)
         self.check_prompt(prompt_ids)
         loop = asyncio.get_running_loop()
@@ -688,3 +501,14 @@ class InferenceEngine:
                 yield item
         finally:
             cancelled.set()
+
+
+def drain(inbox: SimpleQueue) -> Iterator[StreamEvent]:
+    """A request's events as the engine loop emits them, up to its closing one; an error it ended with is raised."""
+    while True:
+        item = inbox.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finish_reason is not None:
+            return

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from inferlab.bench.prompts import make_prompts
 from inferlab.bench.studies import StudyUnavailable
-from inferlab.engine.engine import InferenceEngine, Sequence
+from inferlab.engine.engine import InferenceEngine
+from inferlab.engine.single import Sequence
 from inferlab.kernels.build import use_isa
 
 

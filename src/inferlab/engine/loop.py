@@ -1,0 +1,180 @@
+"""The engine loop: one thread owns the model and the KV memory and runs steps while there is work.
+
+One step = schedule -> run -> sample -> stream. The scheduler picks every running sequence's decode
+token and prompt chunks up to its token budget; they run as ONE flat forward (engine/flat.py); each
+request whose tokens are all in samples its next token through its own sampling state; its events go
+to its `emit`, which hands them to whoever waits (an asyncio queue for the server, a plain queue for
+`generate`). Requests come and go from any thread (`add`, `cancel`); only this thread touches tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from inferlab.engine.block_manager import BlockManager
+from inferlab.engine.flat import FlatBatch, Segment, forward_flat
+from inferlab.engine.paged import PagedKVCache
+from inferlab.engine.scheduler import Scheduler, SchedulerConfig
+from inferlab.engine.sequence import Request, StreamEvent
+from inferlab.errors import EngineFailedError, GenerationError
+from inferlab.kernels.fused_decode import FusedDecode
+from inferlab.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+# Tests inject a fault here: called with the stage ("forward", "sample") and the requests it covers;
+# raising an Exception fails that work, raising a BaseException (SystemExit) stops the engine loop.
+FaultHook = Callable[[str, "list[Request]"], None]
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        model: Transformer,
+        cache: PagedKVCache,
+        blocks: BlockManager,
+        config: SchedulerConfig,
+        fused: FusedDecode | None,
+        lock: threading.Lock,
+    ) -> None:
+        """`lock` is the engine's: one forward at a time, whichever path runs it."""
+        self.model, self.cache, self.blocks, self.fused, self.lock = model, cache, blocks, fused, lock
+        self.scheduler = Scheduler(blocks, config)
+        self.failure: str | None = None  # why the loop stopped; set once, then every request is refused
+        self.fault_hook: FaultHook | None = None  # tests only
+        self._wake = threading.Condition()  # the loop sleeps on it while there is nothing to do
+        self._thread: threading.Thread | None = None
+
+    # ---- the front door's side: any thread -------------------------------------------------------
+    def add(self, request: Request, bounded: bool = True) -> None:
+        """Queue a request (refused before anything runs: CapacityError, OverloadedError, EngineFailedError)."""
+        if self.failure is None:
+            self.scheduler.add(request, bounded)
+        if self.failure is not None:  # checked again: the loop may have stopped (and drained) meanwhile
+            self.scheduler.finish(request)
+            raise EngineFailedError(self.failure)
+        with self._wake:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run_loop, name="inferlab-engine", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def cancel(self, request: Request) -> None:
+        """Cancel (a no-op once it ended); the loop frees its blocks before its next forward."""
+        if not request.finished:
+            self.scheduler.cancel(request)
+            with self._wake:
+                self._wake.notify()
+
+    # ---- the loop's own thread ---------------------------------------------------------------------
+    def _run_loop(self) -> None:
+        """Run steps while there is work. A failure of one request's work fails that request alone (`_run`);
+        the scheduler failing fails the requests it held; anything that escapes stops the loop for good:
+        `failure` says why (the server's /health turns 503 and the process exits), and every waiting
+        request is told at once."""
+        try:
+            while True:
+                with self._wake:
+                    self._wake.wait_for(self.scheduler.has_work)
+                with self.lock:
+                    try:
+                        progressed = self.step()
+                    except Exception as error:  # the scheduler's own state is in doubt: start from empty
+                        progressed = True
+                        log.error("an engine step failed; its requests are dropped", exc_info=error)
+                        for request in self.scheduler.drain():
+                            deliver(request, GenerationError(f"the engine step failed ({type(error).__name__})"))
+                if not progressed:  # waiting for memory another path holds: do not spin
+                    with self._wake:
+                        self._wake.wait(0.005)
+        except BaseException as error:
+            self.failure = f"the engine loop stopped: {type(error).__name__} {error}".strip()
+            log.critical("%s; every request is refused from now on", self.failure, exc_info=error)
+            for request in self.scheduler.drain():
+                deliver(request, EngineFailedError(self.failure))
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One turn: schedule -> run (one flat forward) -> sample -> stream. Call it holding `lock` (the loop
+        does). Returns whether any token was computed."""
+        work = self.scheduler.schedule().work
+        if work:
+            self._run(work)
+        return bool(work)
+
+    def _run(self, work: list[tuple[Request, int]]) -> None:
+        """Feed each request its next `n` uncomputed tokens, all in one forward; sample those whose tokens are all in.
+
+        A forward that raises is run again request by request (rewriting the same KV positions), so only
+        the request that caused it fails; a request whose sampling, stop check or text fails fails alone.
+        """
+        try:
+            logits = self._forward(work)
+        except Exception as error:
+            if len(work) == 1:
+                self._fail(work[0][0], "forward", error)
+            else:
+                for item in work:
+                    self._run([item])
+            return
+        for (request, n), rows in zip(work, logits):
+            try:
+                events = self._sample(request, rows, n)
+            except Exception as error:
+                self._fail(request, "sample", error)
+                continue
+            if request.finished:  # free first: a client that saw the closing event finds the memory back
+                self.scheduler.finish(request)
+            for event in events:
+                deliver(request, event)
+
+    def _forward(self, work: list[tuple[Request, int]]) -> list[Tensor]:
+        """The step's one forward: each request's logits rows (n_logits, vocab), as `segment` asks."""
+        if self.fault_hook is not None:
+            self.fault_hook("forward", [r for r, _ in work])
+        segments = [segment(r, n) for r, n in work]
+        logits = forward_flat(self.model, self.cache, FlatBatch.pack(segments, self.cache.k.device), self.fused)
+        return list(logits.split([s.n_logits for s in segments]))
+
+    def _sample(self, request: Request, rows: Tensor, n: int) -> list[StreamEvent]:
+        """Record the `n` computed tokens; the events of the next token once the prompt is all in."""
+        if request.records_prompt_logits:
+            request.record_prompt_logits(request.kv.num_computed, rows)
+        self.blocks.advance(request.kv, request.token_ids, n)
+        if request.num_uncomputed:
+            return []  # a prompt chunk: its next token comes after the last chunk
+        if self.fault_hook is not None:
+            self.fault_hook("sample", [request])
+        return request.sample(rows[-1])
+
+    def _fail(self, request: Request, stage: str, error: Exception) -> None:
+        log.error("request %d failed in its %s; the others continue", request.request_id, stage, exc_info=error)
+        request.finish_reason = "error"
+        self.scheduler.finish(request)
+        deliver(
+            request,
+            GenerationError(
+                f"generation failed in this request's {stage} step "
+                f"({type(error).__name__}); the server log has the details"
+            ),
+        )
+
+
+def segment(request: Request, n: int) -> Segment:
+    """A request's next `n` tokens; the logits wanted: every row of a prompt whose log-probabilities are
+    asked, the last row once its tokens are all in, none for a prompt chunk with more to come."""
+    start = request.kv.num_computed
+    n_logits = n if request.records_prompt_logits else int(start + n == request.num_tokens)
+    return Segment(request.token_ids[start : start + n], start, request.kv.blocks, n_logits)
+
+
+def deliver(request: Request, item: StreamEvent | BaseException) -> None:
+    try:
+        request.emit(item)
+    except RuntimeError:  # the client's event loop is gone: nobody is listening
+        request.cancelled = True
