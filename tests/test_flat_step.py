@@ -134,6 +134,22 @@ def test_a_mixed_step_equals_each_sequences_own_forward(
     assert engine.blocks.num_used == 0
 
 
+@pytest.mark.parametrize("kernels", ["portable", "fast"])
+def test_a_step_of_prompt_chunks_alone_returns_no_logits_and_writes_their_kv(tiny_tokenizer, one_thread, kernels):
+    """Every sequence still mid-prompt: no row's logits are wanted (R = 0), and the next step sees the KV."""
+    if kernels == "fast" and not cpu_gemv_available():
+        pytest.skip("no AVX2 CPU or no C++ toolchain here")
+    engine = tiny_engine(tiny_tokenizer, "paged", slots=5, kernels=kernels)
+    steps = Steps(engine, engine.model, PROMPTS)
+    segments = [Segment(PROMPTS[s][:3], 0, steps.tables[s].blocks, n_logits=0) for s in (0, 1)]
+    with torch.inference_mode():
+        logits = forward_flat(engine.model, engine.paged, FlatBatch.pack(segments, torch.device("cpu")), engine.fused)
+    assert logits.shape == (0, engine.model.config.vocab_size)
+    steps.tables[0].num_computed = steps.tables[1].num_computed = 3
+    steps.step({0: 2, 1: 5})  # the rest of 0's prompt and a chunk of 1's, over the KV written above
+    steps.release()
+
+
 def test_a_sliding_window_and_softcap_model_mixes_too(tiny_tokenizer, one_thread):
     """Gemma-style layers (a window on every other layer, soft-capped scores) through the flat attention's
     per-sequence spans."""

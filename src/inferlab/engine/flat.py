@@ -168,6 +168,7 @@ def forward_flat(model: Transformer, cache: PagedKVCache, batch: FlatBatch, fuse
     """Run every row of `batch` in one forward, writing its KV; the logits of `batch.logit_rows` (R, vocab).
 
     Through the `fused` C++ step where the engine built one and it covers this many rows, else the model.
+    `logit_rows` may be empty (a step of prompt chunks with more to come): then the result is (0, vocab).
     """
     if fused is not None and fused.covers(batch.num_rows):
         logits = fused(batch.tokens, cache.k, cache.v, batch.row_tables(), batch.positions, *cache.scales())
