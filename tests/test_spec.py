@@ -11,7 +11,7 @@ from conftest import tiny_model
 from inferlab.engine import speculative
 from inferlab.engine.drafters import ModelDrafter, ModelRunner, NgramDrafter, lookup_continuation
 from inferlab.engine.sampling import SamplingParams, probabilities
-from inferlab.engine.speculative import SpecSession, speculative_generate
+from inferlab.engine.speculative import Speculation, speculative_generate
 from inferlab.model.transformer import Transformer
 from inferlab.quant.self_draft import self_draft
 
@@ -68,11 +68,11 @@ def test_greedy_matches_target_only(target, K):
 
 
 def test_identical_draft_accepts_everything(target):
-    result = speculative_generate(target, target, PROMPTS[1], K=4, max_new_tokens=25)
+    result = speculative_generate(target, target, PROMPTS[1], K=4, max_new_tokens=26)
     assert result.stats.acceptance_rate == 1.0
-    assert result.stats.target_calls == 5  # 5 rounds of 4 drafts + 1 bonus
-    assert result.stats.mean_accepted_length == 4.0
-    assert result.tokens == greedy_reference(target, PROMPTS[1], 25)
+    assert result.stats.target_calls == 6  # the prompt (its first token), then 5 rounds of 4 drafts + 1 bonus
+    assert result.stats.accepted == 20
+    assert result.tokens == greedy_reference(target, PROMPTS[1], 26)
 
 
 def test_eos_ends_generation(target):
@@ -96,12 +96,12 @@ def test_rollback_leaves_no_stale_kv(target, drafter_kind):
     drafter = ModelDrafter(perturbed(target, 0.08, 2)) if drafter_kind == "model" else NgramDrafter()
     prompt = PROMPTS[2]
     params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=3)
-    session = SpecSession(target, drafter.start(80), prompt, params, 4, 40, params.make_generator(torch.device("cpu")))
+    session = Speculation(drafter, 4).start(target, prompt, params, 40, params.make_generator(torch.device("cpu")))
     while len(session.tokens) < 30:
         session.step()
     assert session.stats.accepted < session.stats.proposed  # there were rejections to roll back
     context = prompt + session.tokens
-    runners = [session.runner] + ([session.draft.runner] if drafter_kind == "model" else [])
+    runners = [session.sequence] + ([session.draft.runner] if drafter_kind == "model" else [])
     for runner in runners:
         fresh = ModelRunner(runner.model, 80)
         n = runner.length

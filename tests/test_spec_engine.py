@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
+import torch
 from conftest import tiny_engine, tiny_model
 
 from inferlab.api import load_engine
-from inferlab.engine.drafters import ModelDrafter, NgramDrafter
-from inferlab.engine.engine import GenerationRequest
+from inferlab.engine.drafters import ModelDrafter, ModelRunner, NgramDrafter
+from inferlab.engine.engine import GenerationRequest, InferenceEngine
+from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.speculative import Speculation
 from inferlab.errors import ModelLoadError
 from inferlab.kernels.build import cpu_gemv_available
@@ -92,13 +95,89 @@ def test_load_engine_spec_draft(tmp_path, monkeypatch):
     )
 
 
+def rows_are_batch_invariant(engine) -> bool:
+    """Whether the target's fused step computes a row the same, to the bit, in a call of one row and in a
+    call of several (csrc/gemv.h): only then can a K+1-row verification reproduce plain decoding exactly."""
+    if engine.fused is None:
+        return False
+    runners = [ModelRunner(engine.model, 64, engine.fused) for _ in range(2)]
+    for runner in runners:
+        runner.forward(list(range(100, 140)))  # after a short prefix every row happened to agree
+    rows = [7, 8, 9, 10]
+    together = runners[0].forward(rows)
+    alone = torch.cat([runners[1].forward([t]) for t in rows])
+    return torch.equal(together, alone)
+
+
 @pytest.mark.slow
-def test_load_engine_spec_self_matches_greedy():
-    """SmolLM2's own Q4_1 blocks draft for its fp32 weights, through both fused steps: spec off's tokens."""
-    prompt = "Write a short story about a lighthouse keeper."
-    plain = load_engine(precision="fp32").generate(prompt, max_new_tokens=32, chat=True)
-    spec = load_engine(precision="fp32", spec="self")
-    assert spec.speculation.drafter.fused is not None or not cpu_gemv_available()
-    assert spec.generate(prompt, max_new_tokens=32, chat=True).token_ids == plain.token_ids
-    stats = spec.stats()
-    assert stats["spec_accepted"] > stats["spec_proposed"] / 2
+@pytest.mark.parametrize("precision,spec", [("fp32", "self"), ("bf16", "self"), ("int8", "self"), ("int4", "ngram")])
+def test_load_engine_spec_matches_greedy(precision, spec):
+    """SmolLM2 on a free-text chat prompt, 64 greedy tokens: spec off's very tokens, the drafts decoding
+    through their own fused step (spec=self: the GGUF's Q4_1 blocks). The int8 target once differed here:
+    the prompt ran through another path than spec off's prefill, and a verification's rows were computed
+    with other rounding than one-token steps, which flipped an exact bf16 tie of the top two logits."""
+    engine = load_engine(precision=precision, spec=spec)
+    speculation = engine.speculation
+    prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+    engine.speculation = None
+    plain = engine.generate(prompt, max_new_tokens=64, chat=True)
+    engine.speculation = speculation
+    assert spec == "ngram" or speculation.drafter.fused is not None or not cpu_gemv_available()
+    got = engine.generate(prompt, max_new_tokens=64, chat=True)
+    stats = engine.stats()
+    assert stats["spec_proposed"] > 0
+    assert spec == "ngram" or stats["spec_accepted"] > stats["spec_proposed"] / 2
+    if got.token_ids != plain.token_ids and not rows_are_batch_invariant(engine):
+        pytest.xfail("this build's fused step rounds a row differently with other rows in the call (csrc/gemv.h)")
+    assert got.token_ids == plain.token_ids
+
+
+def noisy_copy(engine, scale: float = 0.05):
+    """A draft that mostly agrees with the tiny engine's target (tiny_model(0)): its weights plus noise."""
+    draft = tiny_model(0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * scale)
+    return draft.eval()
+
+
+def sequence_kv(engine, seq, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first n positions of a sequence's KV in the engine's pool: (n_layers, n_kv_heads, n, head_dim) each."""
+    blocks = seq.kv.blocks if engine.config.cache_mode == "paged" else [seq.slot]
+    pool = engine.paged
+    kv = []
+    for t in (pool.k, pool.v):
+        b = t[:, blocks]  # (L, nb, H, bs, D)
+        kv.append(b.permute(0, 2, 1, 3, 4).reshape(b.shape[0], b.shape[2], -1, b.shape[4])[:, :, :n])
+    return kv[0], kv[1]
+
+
+@pytest.mark.parametrize("cache_mode", ["paged", "contiguous"])
+def test_verification_continues_the_engines_own_sequence(tiny_tokenizer, cache_mode):
+    """The target's prompt is the engine's own prefill (through the prefix cache, as without speculation) and
+    the verified rows go into that very sequence: after rounds with rejections its KV holds exactly the kept
+    tokens' (a fresh prefill's), and with the prefix cache their full blocks are findable, nothing else."""
+    if not cpu_gemv_available():
+        pytest.skip("no AVX2 CPU or no C++ toolchain here")
+    base = tiny_engine(tiny_tokenizer, cache_mode, kernels="fast")
+    config = dataclasses.replace(base.config, prefix_cache=cache_mode == "paged")
+    engine = InferenceEngine(base.loaded, config, Speculation(ModelDrafter(noisy_copy(base)), 4))
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=3)
+    logits, seq = engine.prefill(prompt, reserve_tokens=40)
+    session = engine.speculation.start(
+        engine.model, prompt, params, 40, params.make_generator(torch.device("cpu")), prefilled=(logits, seq)
+    )
+    while len(session.tokens) < 30:
+        session.step()
+    assert 0 < session.stats.accepted < session.stats.proposed  # kept drafts, and rejected ones to drop
+    n = session.cached
+    assert seq.length == n == len(prompt) + len(session.tokens) - 1  # all but the last token, fed next round
+    fresh = ModelRunner(engine.model, 80)
+    fresh.forward((prompt + session.tokens)[:n])
+    for got, want in zip(sequence_kv(engine, seq, n), (fresh.cache.k[:, 0, :, :n], fresh.cache.v[:, 0, :, :n])):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    if cache_mode == "paged":
+        assert len(seq.kv.keys) == n // engine.config.block_size  # the kept tokens' full blocks, findable
+    seq.release()

@@ -57,6 +57,15 @@ class ModelRunner:
         self.length += n
         return logits
 
+    def verify_rows(self, token_ids: list[int]) -> Tensor:
+        """As a speculative target (engine/speculative.py's TargetSequence): every row's logits, kept by `keep`."""
+        logits = self.forward(token_ids)
+        self.length -= len(token_ids)
+        return logits
+
+    def keep(self, n: int) -> None:
+        self.length += n
+
 
 @dataclass
 class Proposal:

@@ -268,15 +268,17 @@ class InferenceEngine:
         """A drafter proposes, the target verifies K+1 positions per forward (engine/speculative.py)."""
         self.check_prompt(prompt_ids)
         request = self._new_request(prompt_ids, params, emit=lambda item: None)  # events are yielded, not emitted
-        session = self.speculation.start(
-            self.model, prompt_ids, params, request.max_new_tokens, request.generator, self.fused
-        )
-        with self._lock:
+        with self._lock:  # the prompt runs exactly as without speculation: the verified rows continue its KV
+            logits, seq = self.prefill(prompt_ids, reserve_tokens=request.max_new_tokens)
             self._single_running += 1
         try:
+            session = self.speculation.start(
+                self.model, prompt_ids, params, request.max_new_tokens, request.generator, prefilled=(logits, seq)
+            )
             yield from stream_events(session, request, self._lock)
         finally:
             with self._lock:
+                seq.release()
                 self._single_running -= 1
 
     def generate(

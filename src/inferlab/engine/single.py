@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.block_manager import BlockManager, BlockTable
+from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.kv_cache import CachedAttend, SlotPool
 from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.errors import CapacityError
@@ -22,13 +23,24 @@ from inferlab.model.transformer import Transformer, causal_attend
 
 
 class Sequence(ABC):
-    """One request's KV state. `forward(new_ids)` appends tokens and returns the last position's logits."""
+    """One request's KV state. `forward(new_ids)` appends tokens and returns the last position's logits.
+
+    Speculative decoding verifies through the state the prompt was prefilled into (engine/speculative.py):
+    `verify_rows(ids)` writes the KV of tokens after the kept ones and returns every row's logits, each
+    through the step that decodes one token here; `keep(n)` then keeps the first n of them.
+    """
 
     def __init__(self, model: Transformer, device: torch.device) -> None:
         self.model, self.device, self.length = model, device, 0
 
     @abstractmethod
     def forward(self, token_ids: list[int]) -> Tensor: ...
+
+    @abstractmethod
+    def verify_rows(self, token_ids: list[int]) -> Tensor: ...
+
+    @abstractmethod
+    def keep(self, n: int) -> None: ...
 
     def release(self) -> None:
         """Give the KV memory back (idempotent)."""
@@ -43,18 +55,27 @@ class CachedSequence(Sequence):
         self.block_table = torch.tensor([[self.slot]], device=device)  # the slot is one max_seq_len block
 
     def forward(self, token_ids: list[int]) -> Tensor:
+        logits = self._write(token_ids, last_only=True)
+        self.length += len(token_ids)
+        return logits[-1]
+
+    def verify_rows(self, token_ids: list[int]) -> Tensor:
+        return self._write(token_ids, last_only=False)
+
+    def keep(self, n: int) -> None:
+        self.length += n
+
+    def _write(self, token_ids: list[int], last_only: bool) -> Tensor:
+        """The KV of `token_ids` at `length`.. written; logits (n, vocab), or the last row's with `last_only`
+        (the Python model then runs the head on that row alone)."""
         n = len(token_ids)
         if self.fused is not None and self.fused.covers(n):
             cache = self.pool.cache
-            logits = self.fused.extend(token_ids, cache.k, cache.v, self.block_table, self.length)
-            self.length += n
-            return logits[-1]
+            return self.fused.extend(token_ids, cache.k, cache.v, self.block_table, self.length)
         tokens = torch.tensor([token_ids], device=self.device)
         positions = torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
         attend = CachedAttend(self.pool.cache, self.length, n, slice(self.slot, self.slot + 1))
-        logits = self.model(tokens, positions, attend, last_only=True)
-        self.length += n
-        return logits[0, -1]
+        return self.model(tokens, positions, attend, last_only=last_only)[0]
 
     def release(self) -> None:
         if self.slot is not None:
@@ -66,13 +87,25 @@ class RecomputeSequence(Sequence):
     def __init__(self, model: Transformer, device: torch.device) -> None:
         super().__init__(model, device)
         self.token_ids: list[int] = []
+        self.pending: list[int] = []  # the last verify_rows' tokens
 
     def forward(self, token_ids: list[int]) -> Tensor:
         self.token_ids += token_ids
         self.length = len(self.token_ids)
-        tokens = torch.tensor([self.token_ids], device=self.device)
-        positions = torch.arange(self.length, device=self.device).unsqueeze(0)
-        return self.model(tokens, positions, causal_attend, last_only=True)[0, -1]
+        return self._recompute(self.token_ids, last_only=True)[-1]
+
+    def verify_rows(self, token_ids: list[int]) -> Tensor:
+        self.pending = list(token_ids)
+        return self._recompute(self.token_ids + self.pending, last_only=False)[-len(token_ids) :]
+
+    def keep(self, n: int) -> None:
+        self.token_ids += self.pending[:n]
+        self.length = len(self.token_ids)
+
+    def _recompute(self, token_ids: list[int], last_only: bool) -> Tensor:
+        tokens = torch.tensor([token_ids], device=self.device)
+        positions = torch.arange(len(token_ids), device=self.device).unsqueeze(0)
+        return self.model(tokens, positions, causal_attend, last_only=last_only)[0]
 
 
 class PagedSequence(Sequence):
@@ -89,6 +122,7 @@ class PagedSequence(Sequence):
     ) -> None:
         super().__init__(model, device)
         self.cache, self.blocks, self.kv, self.token_ids, self.fused = cache, blocks, BlockTable(), [], fused
+        self.pending: list[int] = []  # the last verify_rows' tokens
         if not blocks.allocate(self.kv, prompt_ids, len(prompt_ids)):
             raise CapacityError(f"the KV pool has no room for {len(prompt_ids)} prompt tokens now; retry later")
         self.length = self.kv.num_computed
@@ -102,6 +136,21 @@ class PagedSequence(Sequence):
         self.blocks.advance(self.kv, self.token_ids, len(self.token_ids) - start)
         self.length = self.kv.num_computed
         return logits[0]
+
+    def verify_rows(self, token_ids: list[int]) -> Tensor:
+        """Rows past the kept tokens, in blocks this sequence holds; nothing counted (or findable in the prefix
+        cache) until `keep`: rejected tokens' KV stays in room the next rows overwrite."""
+        n, start = len(token_ids), self.kv.num_computed
+        if not self.blocks.ensure_room(self.kv, start + n):
+            raise CapacityError("the KV pool ran out of blocks; retry later or raise cache.kv_budget_mb")
+        self.pending = list(token_ids)
+        batch = FlatBatch.pack([Segment(self.pending, start, self.kv.blocks, n_logits=n)], self.device)
+        return forward_flat(self.model, self.cache, batch, self.fused)  # the engine loop's step, one row each
+
+    def keep(self, n: int) -> None:
+        self.token_ids += self.pending[:n]
+        self.blocks.advance(self.kv, self.token_ids, n)
+        self.length = self.kv.num_computed
 
     def release(self) -> None:
         self.blocks.free(self.kv)

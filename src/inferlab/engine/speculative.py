@@ -1,12 +1,15 @@
 """Lossless speculative decoding: a drafter proposes K tokens, the target checks them in one forward.
 
-Each round feeds the target everything it has not cached yet (the prompt on the first round, then the
-last sampled token) plus the K draft tokens: K+1 next-token distributions p from one forward. Draft
+The target's prompt runs first, alone, exactly as without speculation (the engine's own prefill, through
+the same KV cache), and each round then feeds the last sampled token plus the K draft tokens through the
+step that decodes one token (TargetSequence): K+1 next-token distributions p from one forward. Where a
+row's result does not depend on how many rows its call has, greedy output is the very output of plain
+decoding, bit for bit; elsewhere it may differ where two logits tie within rounding. Draft
 token i is accepted with probability min(1, p_i/q_i); at the first rejection the round ends with a token
 drawn from the normalized residual max(0, p_i - q_i); if all K pass, a bonus token is drawn from p_K.
 This makes every emitted token distributed exactly as the target alone would sample it (Leviathan et
 al. 2023, Chen et al. 2023), and at temperature 0 reduces to "keep the draft while it equals the
-target's argmax". Both caches roll back by lowering a length; rejected entries are overwritten later.
+target's argmax". Both caches roll back by keeping a length; rejected entries are overwritten later.
 With `spec.adaptive`, each sequence picks its round's K from its own acceptance so far (engine/adaptive_k.py).
 """
 
@@ -16,7 +19,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -29,9 +32,21 @@ from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer
 
 
+class TargetSequence(Protocol):
+    """The target's KV state of one sequence (the engine's Sequence, or a ModelRunner)."""
+
+    def verify_rows(self, token_ids: list[int]) -> Tensor:
+        """The KV of `token_ids` written after the kept tokens; logits (n, vocab), none kept yet."""
+        ...
+
+    def keep(self, n: int) -> None:
+        """The first `n` tokens of the last `verify_rows` stay cached; the rest are overwritten later."""
+        ...
+
+
 @dataclass
 class SpecStats:
-    target_calls: int = 0  # target forwards (the first one is the prefill)
+    target_calls: int = 0  # target forwards (the first one is the prefill, which gives the first token)
     draft_calls: int = 0  # draft model forwards
     proposed: int = 0  # draft tokens offered for verification
     accepted: int = 0  # draft tokens the target kept
@@ -43,7 +58,7 @@ class SpecStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Draft tokens accepted per verification round (0..K); tokens per round is this + 1."""
+        """Draft tokens accepted per target call (0..K), the prefill's included; tokens per call is about this + 1."""
         return self.accepted / self.target_calls if self.target_calls else 0.0
 
     @property
@@ -118,34 +133,38 @@ def verify_greedy(target_logits: Tensor, drafts: list[int]) -> tuple[int, int]:
 class SpecSession:
     """One request's speculative generation: call `step()` until it says done; `tokens` is the output so far."""
 
-    target: Transformer
     draft: DraftState
     prompt_ids: list[int]
     params: SamplingParams
     k: int
     max_new_tokens: int
+    sequence: TargetSequence  # the target's KV, the prompt prefilled
+    first_logits: Tensor | None  # (vocab,) the prefill's, for the first token; None once the first round used them
     generator: torch.Generator | None = None
-    fused: FusedDecode | None = None  # the target's C++ decode step: verifications of <= GEMV_MAX_ROWS tokens
-    runner: ModelRunner = field(init=False)
     tokens: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
     totals: SpecStats | None = None  # counters shared across sessions (the engine's), added to each round
     policy: AdaptiveK | None = None  # K per round from this sequence's acceptance; None: always k
+    cached: int = field(init=False)  # tokens the target holds the KV of: the context but the last token
 
     def __post_init__(self) -> None:
-        # the target is fed at most the prompt, the generated tokens but the last, and the drafts of a round
-        # whose size is capped by what is left to generate: prompt + max_new_tokens positions suffice
-        self.runner = ModelRunner(self.target, len(self.prompt_ids) + self.max_new_tokens, self.fused)
+        self.cached = len(self.prompt_ids)
 
     @torch.inference_mode()
     def step(self) -> list[int]:
         """One draft-and-verify round; returns the 1..k+1 tokens it emitted."""
         context = self.prompt_ids + self.tokens
         draft_calls = self.draft.calls
-        k = min(self.policy.next_k() if self.policy else self.k, self.max_new_tokens - len(self.tokens) - 1)
+        first = self.first_logits  # the first round takes the first token from the prefill, as plain decoding does
+        if first is not None:
+            k = 0
+        else:
+            k = min(self.policy.next_k() if self.policy else self.k, self.max_new_tokens - len(self.tokens) - 1)
         proposal = self.draft.propose(context, k, self.params, self.generator)
         drafts = proposal.tokens
-        logits = self.runner.forward(context[self.runner.length :] + drafts)[-(len(drafts) + 1) :]  # (k+1, vocab)
+        # (k+1, vocab): the rows of the last token and the drafts, each as the one-token step would compute it
+        logits = first[None] if first is not None else self.sequence.verify_rows(context[self.cached :] + drafts)
+        self.first_logits = None
         if self.params.greedy:
             n, last = verify_greedy(logits, drafts)
         else:
@@ -154,7 +173,8 @@ class SpecSession:
         if self.policy is not None and drafts:
             self.policy.observe(len(drafts), n)
         kept = len(context) + n  # KV of the context and the accepted drafts stays; `last` is fed next round
-        self.runner.length = kept
+        self.sequence.keep(kept - self.cached)
+        self.cached = kept
         self.draft.rollback(kept)
         self.tokens += emitted
         round_stats = SpecStats(1, self.draft.calls - draft_calls, len(drafts), n, len(emitted))
@@ -182,6 +202,7 @@ class Speculation:
             "spec_generated": t.generated,
         }
 
+    @torch.inference_mode()
     def start(
         self,
         target: Transformer,
@@ -190,18 +211,27 @@ class Speculation:
         max_new_tokens: int,
         generator: torch.Generator | None,
         fused: FusedDecode | None = None,
+        prefilled: tuple[Tensor, TargetSequence] | None = None,
     ) -> SpecSession:
+        """A session over `prefilled` (the prompt's last logits and the target's KV state holding it, from
+        the engine's own prefill), or over a KV cache of its own (through `fused` where given), prefilled here."""
+        if prefilled is None:
+            # the target is fed at most the prompt, the generated tokens but the last, and the drafts of a round
+            # whose size is capped by what is left to generate: prompt + max_new_tokens positions suffice
+            runner = ModelRunner(target, len(prompt_ids) + max_new_tokens, fused)
+            prefilled = runner.forward(list(prompt_ids), last_only=True)[-1], runner
+        first_logits, sequence = prefilled
         draft = self.drafter.start(len(prompt_ids) + max_new_tokens)
         policy = AdaptiveK(self.k, self.drafter.step_cost(target)) if self.adaptive else None
         return SpecSession(
-            target,
             draft,
             list(prompt_ids),
             params,
             self.k,
             max_new_tokens,
+            sequence,
+            first_logits,
             generator,
-            fused,
             totals=self.totals,
             policy=policy,
         )
