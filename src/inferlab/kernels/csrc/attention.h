@@ -56,12 +56,19 @@ struct KvPool {
     return data + table[l / block_size] * block_stride + h * head_stride + (l % block_size) * row_stride;
   }
 
-  // what the row's stored values are multiplied by: its scale for int8 codes, else 1
-  float scale(const int64_t* table, int64_t h, int64_t l) const {
-    if constexpr (kInt8) {
-      return scales[table[l / block_size] * scale_block_stride + h * scale_head_stride + (l % block_size) * scale_row_stride];
-    } else {
-      return 1.0f;
+  // f(l, row, scale) for positions l = 0..L-1 of head h in order, a block at a time (no division per row);
+  // scale is what the row's stored values are multiplied by: its own for int8 codes, else 1
+  template <typename F>
+  void for_each_row(const int64_t* table, int64_t h, int64_t L, F&& f) const {
+    for (int64_t start = 0, j = 0; start < L; start += block_size, ++j) {
+      const T* row = data + table[j] * block_stride + h * head_stride;
+      const int64_t n = std::min(block_size, L - start);
+      if constexpr (kInt8) {
+        const float* s = scales + table[j] * scale_block_stride + h * scale_head_stride;
+        for (int64_t r = 0; r < n; ++r, row += row_stride) f(start + r, row, s[r * scale_row_stride]);
+      } else {
+        for (int64_t r = 0; r < n; ++r, row += row_stride) f(start + r, row, 1.0f);
+      }
     }
   }
 
@@ -140,13 +147,12 @@ void attend_head(const float* q, const KvPool<T>& keys, const KvPool<T>& values,
   for (int64_t j = 0; j < V; ++j) qv[j] = S::mul(S::load(q + 8 * j), S::set1(scale));
   std::vector<float> p(L);
   float max_score = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < L; ++l) {
-    const T* key = keys.row(table, h, l);
+  keys.for_each_row(table, h, L, [&](int64_t l, const T* key, float key_scale) {
     S::V acc = S::mul(qv[0], S::load(key));
     for (int64_t j = 1; j < V; ++j) acc = S::fmadd(qv[j], S::load(key + 8 * j), acc);
-    p[l] = S::sum(acc) * keys.scale(table, h, l);
+    p[l] = S::sum(acc) * key_scale;
     max_score = std::max(max_score, p[l]);
-  }
+  });
   const S::V max8 = S::set1(max_score);
   S::V sum8 = S::zero();
   int64_t l = 0;
@@ -159,11 +165,10 @@ void attend_head(const float* q, const KvPool<T>& keys, const KvPool<T>& values,
   for (; l < L; ++l) sum += (p[l] = std::exp(p[l] - max_score));
   S::V acc[kMaxHeadDim / 8];
   for (int64_t j = 0; j < V; ++j) acc[j] = S::zero();
-  for (l = 0; l < L; ++l) {
-    const S::V weight = S::set1(p[l] * values.scale(table, h, l));
-    const T* value = values.row(table, h, l);
+  values.for_each_row(table, h, L, [&](int64_t l, const T* value, float value_scale) {
+    const S::V weight = S::set1(p[l] * value_scale);
     for (int64_t j = 0; j < V; ++j) acc[j] = S::fmadd(weight, S::load(value + 8 * j), acc[j]);
-  }
+  });
   const S::V inv_sum = S::set1(1.0f / sum);
   for (int64_t j = 0; j < V; ++j) S::store(out + 8 * j, S::mul(acc[j], inv_sum));
 }
