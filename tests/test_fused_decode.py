@@ -7,10 +7,10 @@ from conftest import tiny_engine, tiny_model
 
 from inferlab.engine.block_manager import BlockManager, BlockTable
 from inferlab.engine.drafters import ModelRunner
+from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.kernels.build import cpu_gemv_available
-from inferlab.kernels.fused_decode import FusedDecode
-from inferlab.kernels.gemv import GEMV_MAX_ROWS
+from inferlab.kernels.fused_decode import FUSED_MAX_ROWS, FusedDecode
 
 pytestmark = pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here")
 
@@ -63,7 +63,7 @@ def test_fused_decode_matches_the_python_model(isa, tiny_tokenizer, cache_mode, 
 
 
 def test_batched_paged_decode_of_sequences_of_different_lengths(isa, tiny_tokenizer):
-    """Up to GEMV_MAX_ROWS sequences, each at its own position in its own scattered blocks, in one call: the
+    """Several sequences, each at its own position in its own scattered blocks, in one call: the
     same logits and the same cache contents as the Python model over the same block tables."""
     engine = tiny_engine(tiny_tokenizer, "paged", kernels="fast")
     model, fused = engine.model, engine.fused
@@ -91,15 +91,70 @@ def test_batched_paged_decode_of_sequences_of_different_lengths(isa, tiny_tokeni
     assert (caches["python"].v - caches["fused"].v).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize(
+    ("dtype", "quant"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8"), (torch.float32, "int4")],
+)
+def test_a_mixed_step_of_decodes_and_prompt_chunks_equals_per_sequence_forwards(isa, tiny_tokenizer, dtype, quant):
+    """One flat call: three sequences' decode tokens, a prompt chunk of a fourth (continuing its prompt) and the
+    first chunk of a new one, rows interleaved, in scattered paged blocks. The logits of the rows asked for
+    (each sequence's last, and one inside a chunk) match the portable Python model's forward of each sequence
+    alone, and equal to the bit the fused step's own per-sequence calls (batch invariance), caches too."""
+    kwargs = dict(dtype=dtype, quant=quant, dim=96, n_heads=6, n_kv_heads=2, qkv_bias=True)
+    model = tiny_engine(tiny_tokenizer, "paged", kernels="portable", **kwargs).model
+    fused = tiny_engine(tiny_tokenizer, "paged", kernels="fast", **kwargs).fused
+    caches = {name: PagedKVCache.allocate(model.config, 64, 8, dtype, CPU) for name in ("python", "mixed", "alone")}
+    blocks = BlockManager(64, 8, block_bytes=1)
+    blocks.free_ids.reverse()
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 9, 33, 0)]
+    feeds = [[40], [41], [42], [(11 * i) % 250 for i in range(11)], [(7 * i + 3) % 250 for i in range(20)]]
+    tables = [BlockTable() for _ in prompts]
+    for table, prompt, feed in zip(tables, prompts, feeds):
+        assert blocks.allocate(table, prompt, len(prompt) + len(feed))
+        if prompt:
+            for cache in caches.values():
+                forward_paged(model, cache, [prompt], [0], [table.blocks])
+    order = [(3, 0), (0, 0), *((4, i) for i in range(20)), (1, 0), *((3, i) for i in range(1, 11)), (2, 0)]
+    width = max(len(t.blocks) for t in tables)
+    padded = [t.blocks + [t.blocks[0]] * (width - len(t.blocks)) for t in tables]
+    tokens = torch.tensor([feeds[s][i] for s, i in order])
+    positions = torch.tensor([len(prompts[s]) + i for s, i in order])
+    rows_of = {key: row for row, key in enumerate(order)}
+    wanted = [(0, 0), (1, 0), (2, 0), (3, 10), (4, 19), (4, 6)]
+    logit_rows = torch.tensor([rows_of[key] for key in wanted])
+    cache = caches["mixed"]
+    got = fused(tokens, cache.k, cache.v, torch.tensor([padded[s] for s, _ in order]), positions, logit_rows)
+    assert got.shape == (len(wanted), model.config.vocab_size) and got.dtype == dtype
+    for (s, i), logits in zip(wanted, got):
+        start = len(prompts[s])
+        batch = FlatBatch.pack([Segment(feeds[s], start, tables[s].blocks, len(feeds[s]))], CPU)
+        expected = forward_flat(model, caches["python"], batch)[i].float()
+        if dtype == torch.float32 and quant is None:
+            assert (expected - logits.float()).abs().max() <= 1e-4, (s, i)
+        else:
+            assert F.cosine_similarity(expected, logits.float(), dim=0) >= 0.999, (s, i)
+        assert int(expected.argmax()) == int(logits.argmax()), (s, i)
+        n = len(feeds[s])
+        alone = fused(
+            torch.tensor(feeds[s]),
+            caches["alone"].k,
+            caches["alone"].v,
+            torch.tensor([padded[s]]).expand(n, -1),
+            torch.arange(start, start + n),
+        )
+        assert torch.equal(alone[i], logits), (s, i)
+    assert torch.equal(caches["mixed"].k, caches["alone"].k) and torch.equal(caches["mixed"].v, caches["alone"].v)
+
+
 def test_a_few_tokens_of_one_sequence_run_as_the_rows_of_one_step(isa, tiny_tokenizer):
-    """ModelRunner (the target of speculative decoding) feeds up to GEMV_MAX_ROWS tokens of its sequence as the
-    rows of one fused step: the logits at every position equal the Python model's causal forward, and the
-    cache ends the same; longer feeds keep the Python model."""
+    """ModelRunner (the target of speculative decoding) feeds the tokens of its sequence as the rows of one
+    fused step: the logits at every position equal the Python model's causal forward, and the cache ends the
+    same."""
     engine = tiny_engine(tiny_tokenizer, kernels="fast")
     fast, reference = ModelRunner(engine.model, 64, engine.fused), ModelRunner(engine.model, 64)
     python_forwards: list[int] = []
     forward = engine.model.forward
-    for n in (6, 12, 4, 1, GEMV_MAX_ROWS, 3):  # 12: more rows than one step takes
+    for n in (6, 12, 4, 1, 8, 3):
         ids = [(13 * n + 5 * i) % 250 for i in range(n)]
         expected = reference.forward(ids)
         engine.model.forward = lambda tokens, *a, **kw: (
@@ -109,7 +164,7 @@ def test_a_few_tokens_of_one_sequence_run_as_the_rows_of_one_step(isa, tiny_toke
         engine.model.forward = forward
         assert got.shape == expected.shape == (n, engine.model.config.vocab_size)
         assert (expected - got).abs().max() <= 1e-4, n
-    assert python_forwards == [12]
+    assert python_forwards == []
     assert fast.length == reference.length == 34
     assert (fast.cache.k[:, :, :, :34] - reference.cache.k[:, :, :, :34]).abs().max() <= 1e-5
     last = fast.forward([7, 8], last_only=True)
@@ -129,7 +184,7 @@ def test_the_engine_loop_decodes_a_batch_through_the_fused_step(isa, tiny_tokeni
 
 
 def test_what_the_fused_step_does_not_cover_keeps_the_python_model(isa, tiny_tokenizer):
-    assert FusedDecode.covers(GEMV_MAX_ROWS) and not FusedDecode.covers(GEMV_MAX_ROWS + 1)
+    assert FusedDecode.covers(FUSED_MAX_ROWS) and not FusedDecode.covers(FUSED_MAX_ROWS + 1)
     assert tiny_engine(tiny_tokenizer, kernels="portable").fused is None
     assert tiny_engine(tiny_tokenizer, "none", kernels="fast").fused is None  # the recompute baseline stays pure
     assert tiny_engine(tiny_tokenizer).fused is None  # plain nn.Linear layers: no kernel chosen
@@ -146,11 +201,8 @@ def test_the_plan_refuses_positions_outside_the_cache(isa, tiny_tokenizer):
         engine.fused(tokens, cache.k, cache.v, table, torch.tensor([cache.max_seq_len]))
     with pytest.raises(RuntimeError, match="block id"):
         engine.fused(tokens, cache.k, cache.v, torch.tensor([[cache.slots]]), torch.tensor([0]))
-    too_many = GEMV_MAX_ROWS + 1
-    with pytest.raises(RuntimeError, match=f"B <= {GEMV_MAX_ROWS}"):
-        engine.fused(
-            torch.arange(too_many), cache.k, cache.v, table.expand(too_many, 1), torch.zeros(too_many, dtype=torch.long)
-        )
+    with pytest.raises(RuntimeError, match="not a row"):
+        engine.fused(tokens, cache.k, cache.v, table, torch.tensor([0]), torch.tensor([1]))
 
 
 def test_the_bf16_step_stays_within_bf16_storage_of_fp32(isa, tiny_tokenizer):

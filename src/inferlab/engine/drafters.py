@@ -31,7 +31,7 @@ class ModelRunner:
     """One sequence's forward passes over a single-slot KV cache. Rollback = lowering `length`.
 
     Entries past `length` are stale and get overwritten by the next forward; nothing is copied.
-    With `fused` (the target's C++ decode step), forwards of up to GEMV_MAX_ROWS tokens run as one call.
+    With `fused` (the target's C++ step), forwards of up to FUSED_MAX_ROWS tokens run as one call.
     """
 
     def __init__(self, model: Transformer, capacity: int, fused: FusedDecode | None = None) -> None:
@@ -48,8 +48,7 @@ class ModelRunner:
         """Append `token_ids` at `length`; logits (T, vocab), or (1, vocab) with `last_only`."""
         n = len(token_ids)
         if self.fused is not None and self.fused.covers(n):
-            logits = self.fused.extend(token_ids, self.cache.k, self.cache.v, self.block_table, self.length)
-            logits = logits[-1:] if last_only else logits
+            logits = self.fused.extend(token_ids, self.cache.k, self.cache.v, self.block_table, self.length, last_only)
         else:
             tokens = torch.tensor([token_ids], device=self.device)
             positions = torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)

@@ -93,7 +93,7 @@ class InferenceEngine:
         self.blocks: BlockManager | None = None
         self.loop: EngineLoop | None = None  # the engine loop over `paged` (both cache layouts)
         decode_kernel = decode_attention_applies(config.device, config.dtype, loaded.config.head_dim, config.kernels)
-        # a cached decode step of at most FusedDecode.covers rows runs as one C++ call (None: the Python model)
+        # a cached forward of up to FusedDecode.covers rows runs as one C++ call (None: the Python model)
         self.fused = (
             FusedDecode.build(self.model, config.device, config.dtype, config.kernels)
             if config.cache_mode != "none"

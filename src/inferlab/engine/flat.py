@@ -171,7 +171,8 @@ def forward_flat(model: Transformer, cache: PagedKVCache, batch: FlatBatch, fuse
     `logit_rows` may be empty (a step of prompt chunks with more to come): then the result is (0, vocab).
     """
     if fused is not None and fused.covers(batch.num_rows):
-        logits = fused(batch.tokens, cache.k, cache.v, batch.row_tables(), batch.positions, *cache.scales())
-        return logits[batch.logit_rows]
+        k_scales, v_scales = cache.scales()
+        tables, positions = batch.row_tables(), batch.positions
+        return fused(batch.tokens, cache.k, cache.v, tables, positions, k_scales, v_scales, batch.logit_rows)
     attend = FlatAttend(cache, batch)
     return model(batch.tokens[None], batch.positions[None], attend, rows=batch.logit_rows)[0]

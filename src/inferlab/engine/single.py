@@ -71,7 +71,7 @@ class CachedSequence(Sequence):
         n = len(token_ids)
         if self.fused is not None and self.fused.covers(n):
             cache = self.pool.cache
-            return self.fused.extend(token_ids, cache.k, cache.v, self.block_table, self.length)
+            return self.fused.extend(token_ids, cache.k, cache.v, self.block_table, self.length, last_only)
         tokens = torch.tensor([token_ids], device=self.device)
         positions = torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
         attend = CachedAttend(self.pool.cache, self.length, n, slice(self.slot, self.slot + 1))

@@ -34,6 +34,10 @@ from inferlab.paths import cache_dir
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("gemv.cpp", "decode_attention.cpp", "decode_step.cpp")]
 KERNEL_CHOICES = ("fast", "portable")
+# -fopenmp for at::parallel_for's pragmas: the process's libgomp is torch's, so the threads are torch's.
+# -ffp-contract=off: a scalar a * b + c stays two roundings wherever it is inlined (GCC fuses it into an fma
+# in some instantiations and not others), so a row's product does not depend on the shape of its call
+CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +70,11 @@ def load_isa(name: str) -> bool:
             flush=True,
         )
     try:
-        # -fopenmp for at::parallel_for's pragmas: the process's libgomp is torch's, so the threads are torch's
         load(
             name=f"inferlab_kernels_{isa.name}",
             sources=[str(p) for p in SOURCES],
             build_directory=str(build_dir),
-            extra_cflags=["-O3", *isa.cflags, "-fopenmp"],
+            extra_cflags=[*CFLAGS, *isa.cflags],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
@@ -82,9 +85,9 @@ def load_isa(name: str) -> bool:
 
 
 def kernels_build_dir(isa: Isa) -> Path:
-    """Where a build is cached: per instruction set, torch version and content of csrc/, so checkouts and
-    versions that share the user cache dir never load each other's build."""
-    digest = hashlib.sha256()
+    """Where a build is cached: per instruction set, torch version, compiler flags and content of csrc/, so
+    checkouts and versions that share the user cache dir never load each other's build."""
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return cache_dir() / "kernels" / f"torch-{torch.__version__}-{digest.hexdigest()[:12]}" / isa.name

@@ -1,12 +1,13 @@
-"""The whole decode step in one C++ call (csrc/decode_step.cpp), where every layer can run on the CPU kernels.
+"""The whole forward step in one C++ call (csrc/decode_step.cpp), where every layer can run on the CPU kernels.
 
 The Python model makes ~35 tensor-op calls per layer and token; on a 2-core CPU their dispatch alone
 is ~7 ms of a 20-40 ms step. `FusedDecode` hands the model's weights to a C++ plan once, at load, and
-then runs each step of up to GEMV_MAX_ROWS sequences as one call: embeddings in, logits out, every
-layer's k/v written to the cache on the way. It reads the cache through block tables, so it serves the
-contiguous slots (one max_seq_len block per slot) and the paged pool alike. Prompts, larger batches
-and anything it does not cover (`FusedDecode.build` returns None) keep the Python model, which is the
-reference the tests compare it with.
+then runs each step as one call: a flat batch of up to FUSED_MAX_ROWS token rows, each with its own
+position and block table (decode tokens of many sequences and causal prompt chunks, mixed), embeddings
+in, the logits of the rows asked for out, every layer's k/v written to the cache on the way. It reads
+the cache through block tables, so it serves the contiguous slots (one max_seq_len block per slot) and
+the paged pool alike. Longer steps and anything it does not cover (`FusedDecode.build` returns None)
+keep the Python model, which is the reference the tests compare it with.
 """
 
 from __future__ import annotations
@@ -16,9 +17,14 @@ from torch import Tensor, nn
 
 from inferlab.kernels.attention import DECODE_ATTENTION_MAX_HEAD_DIM
 from inferlab.kernels.build import active_isa, fast_kernels_apply, kernel_classes
-from inferlab.kernels.gemv import GEMV_K_STEP, GEMV_MAX_K, GEMV_MAX_ROWS
+from inferlab.kernels.gemv import GEMV_K_STEP, GEMV_MAX_K
 from inferlab.kernels.layer import KernelLayer
 from inferlab.model.transformer import Transformer, rope_tables
+
+# Token rows one step takes. The kernels take any number; the bound keeps a step's fp32 activation buffers
+# (~6 KiB per row per hidden unit of the MLP: ~20 MiB at SmolLM2's 1536) and its latency in check, and is
+# above any prompt chunk the schedulers make (scheduler.max_batched_tokens).
+FUSED_MAX_ROWS = 2048
 
 
 def projection_parts(linear: nn.Module) -> list[Tensor] | None:
@@ -31,7 +37,8 @@ def projection_parts(linear: nn.Module) -> list[Tensor] | None:
 
 
 class FusedDecode:
-    """One decode step of a Transformer: (tokens (B,), caches, block_tables (B, n), positions (B,)) -> logits."""
+    """One step of a Transformer over a flat batch of token rows: (tokens (N,), caches, block_tables (N, width),
+    positions (N,), logit_rows (R,)) -> logits (R, vocab)."""
 
     def __init__(self, model: Transformer, plan: torch.ScriptObject, isa: str) -> None:
         self.model, self.plan, self.isa = model, plan, isa  # isa: the kernels' build the plan runs on, for good
@@ -75,8 +82,8 @@ class FusedDecode:
         return cls(model, plan, active_isa().name)
 
     @staticmethod
-    def covers(batch_size: int) -> bool:
-        return batch_size <= GEMV_MAX_ROWS
+    def covers(n_rows: int) -> bool:
+        return 1 <= n_rows <= FUSED_MAX_ROWS
 
     def __call__(
         self,
@@ -87,18 +94,32 @@ class FusedDecode:
         positions: Tensor,
         k_scales: Tensor | None = None,
         v_scales: Tensor | None = None,
+        logit_rows: Tensor | None = None,
     ) -> Tensor:
-        # tokens (B,) -> logits (B, vocab); k_cache, v_cache (n_layers, num_blocks, n_kv_heads, block_size, head_dim),
-        # int8 codes with k_scales, v_scales (n_layers, num_blocks, n_kv_heads, block_size) fp32
-        x = self.model.tok_embeddings(tokens)  # (B, dim)
-        return self.plan.step(x, k_cache, v_cache, block_tables, positions, k_scales, v_scales)  # type: ignore[attr-defined]
+        """tokens (N,), each at its position (N,) of the sequence whose block table is its row of block_tables
+        (N, width); k_cache, v_cache (n_layers, num_blocks, n_kv_heads, block_size, head_dim), int8 codes with
+        k_scales, v_scales (n_layers, num_blocks, n_kv_heads, block_size) fp32. Every row's k/v is written before
+        any row attends, and each attends over its table up to its own position. Returns the logits (R, vocab) of
+        the rows in logit_rows (int64 (R,); None: all N rows), the LM head run for those only.
+        """
+        x = self.model.tok_embeddings(tokens)  # (N, dim)
+        return self.plan.step(x, k_cache, v_cache, block_tables, positions, k_scales, v_scales, logit_rows)  # type: ignore[attr-defined]
 
-    def extend(self, token_ids: list[int], k_cache: Tensor, v_cache: Tensor, block_table: Tensor, start: int) -> Tensor:
-        """n <= GEMV_MAX_ROWS new tokens of ONE sequence at positions start.. as the n rows of one step -> logits
-        (n, vocab). Each layer writes every row's k/v before any row attends, and row i attends to positions up to
-        start + i: the causal forward of the n tokens (a speculative verification, a short prompt)."""
+    def extend(
+        self,
+        token_ids: list[int],
+        k_cache: Tensor,
+        v_cache: Tensor,
+        block_table: Tensor,
+        start: int,
+        last_only: bool = False,
+    ) -> Tensor:
+        """n <= FUSED_MAX_ROWS new tokens of ONE sequence at positions start.. as the n rows of one step -> logits
+        (n, vocab), or (1, vocab) of the last with `last_only`: the causal forward of the n tokens (a prompt, a
+        speculative verification)."""
         n = len(token_ids)
         device = k_cache.device
         tokens = torch.tensor(token_ids, device=device)
         positions = torch.arange(start, start + n, device=device)
-        return self(tokens, k_cache, v_cache, block_table.expand(n, -1), positions)
+        last = torch.tensor([n - 1], device=device) if last_only else None
+        return self(tokens, k_cache, v_cache, block_table.expand(n, -1), positions, logit_rows=last)

@@ -60,7 +60,7 @@ class KernelLayer(Protocol):
 class DenseCopyLayer(Protocol):
     """A quantized layer that can also hold its weights dequantized, for products of many rows.
 
-    The gemv kernel takes at most GEMV_MAX_ROWS rows. A prompt chunk or a large decode batch is a GEMM, and
+    The gemv kernel takes any number of rows, but a prompt chunk or a large decode batch is a GEMM, and
     there a dense bf16/fp32 GEMM (oneDNN) over a dequantized copy is several times faster than the integer
     library kernels and >10x faster than dequantizing at every call (the issue's and kernels/aten.py's
     measurements): the copy trades memory for that speed, within `device.dense_copy_mb`.

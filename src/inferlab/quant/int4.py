@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from inferlab.errors import QuantizationError
 from inferlab.kernels.aten import int4_layout, int4_mm, int4pack_scales_and_zeros, to_int4pack
-from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input
+from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input, quantized_max_rows
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
 
@@ -120,7 +120,11 @@ class Int4GroupLinear(nn.Module):
     fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_glu
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
-        if self.layout == "rows" and self.use_kernel and gemv_fits(x, self.in_features * (1 + gated)):  # decode
+        if (
+            self.layout == "rows"
+            and self.use_kernel
+            and gemv_fits(x, self.in_features * (1 + gated), quantized_max_rows(self.dense))
+        ):  # decode, or any rows without a dense copy
             return gemv(x, self.weight, self.scales, self.bias, norm, gated, self.mins)
         x = prepared_input(x, norm, gated)
         if self.dense is not None and self.use_kernel and self.dense.dtype == x.dtype:  # a prompt, a large batch

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferlab.kernels.aten import int8_kernel_fits, int8_mm
-from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input
+from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input, quantized_max_rows
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
 
@@ -59,7 +59,9 @@ class Int8Linear(nn.Module):
         return self.dense.nbytes
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
-        if self.use_kernel and gemv_fits(x, self.in_features * (1 + gated)):  # decode: one pass over the rows
+        if self.use_kernel and gemv_fits(
+            x, self.in_features * (1 + gated), quantized_max_rows(self.dense)
+        ):  # decode, or any rows without a dense copy
             return gemv(x, self.weight, self.scales, self.bias, norm, gated)
         x = prepared_input(x, norm, gated)
         if self.dense is not None and self.use_kernel and self.dense.dtype == x.dtype:  # a prompt, a large batch

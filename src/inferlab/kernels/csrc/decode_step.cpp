@@ -1,4 +1,5 @@
-// One decode step of the whole decoder in one call, for up to kMaxRows sequences at once.
+// One step of the whole decoder in one call, for any number of token rows: the decode tokens of many
+// sequences and the causal prompt chunks of others, mixed (each row has its own position and block table).
 //
 // Per token and layer the Python model makes ~35 tensor-op calls of ~6 us each (on this 2-core CPU
 // ~7 ms a step, a third of an int8 step), around four matrix-vector products that themselves take
@@ -11,6 +12,8 @@
 #include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
+
+#include <numeric>
 
 #include "attention.h"
 #include "gemv.h"
@@ -75,14 +78,16 @@ class DecodePlan : public torch::CustomClassHolder {
   }
 
   // x (B, dim) the new tokens' embeddings; caches (n_layers, num_blocks, H_kv, block_size, D);
-  // block_tables (B, n) int64; positions (B,) int64 -> logits (B, vocab) in x's dtype. Writes each
-  // sequence's k/v at its position of every layer's cache. int8 caches come with their scales
-  // (n_layers, num_blocks, H_kv, block_size) fp32 (attention.h's KvPool).
-  at::Tensor step(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                  at::Tensor positions, std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales) {
+  // block_tables (B, n) int64; positions (B,) int64; int8 caches come with their scales (n_layers,
+  // num_blocks, H_kv, block_size) fp32 (attention.h's KvPool); logit_rows (R,) int64, the rows whose logits
+  // are wanted (absent or empty: all B) -> logits (R, vocab) in x's dtype. Every layer writes every row's
+  // k/v at its position before any row attends, and row b attends over its block table's positions up to
+  // its own: rows of one sequence at consecutive positions are its causal forward.
+  at::Tensor step(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables, at::Tensor positions,
+                  std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales,
+                  std::optional<at::Tensor> logit_rows) {
     const int64_t B = x.size(0), L = static_cast<int64_t>(layers_.size());
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == dim_ && B >= 1 && B <= inferlab::kMaxRows,
-                "DecodePlan.step: x must be (B, ", dim_, ") with B <= ", inferlab::kMaxRows);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == dim_ && B >= 1, "DecodePlan.step: x must be (B, ", dim_, ") with B >= 1");
     TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == L &&
                 k_cache.size(2) == H_kv_ && k_cache.size(4) == D_ && k_cache.stride(4) == 1 && v_cache.stride(4) == 1 &&
                 k_cache.scalar_type() == v_cache.scalar_type(),
@@ -96,9 +101,20 @@ class DecodePlan : public torch::CustomClassHolder {
                 "DecodePlan.step: float32, bfloat16 or int8 caches only, got ", kv);
     inferlab::check_kv_scales(k_cache, k_scales, "DecodePlan.step");
     inferlab::check_kv_scales(v_cache, v_scales, "DecodePlan.step");
+    std::vector<int64_t> wanted;
+    if (logit_rows && logit_rows->numel()) {
+      TORCH_CHECK(logit_rows->scalar_type() == at::kLong && logit_rows->dim() == 1,
+                  "DecodePlan.step: logit_rows must be (R,) int64");
+      const at::Tensor rows = logit_rows->contiguous();
+      wanted.assign(rows.data_ptr<int64_t>(), rows.data_ptr<int64_t>() + rows.numel());
+      for (const int64_t b : wanted) TORCH_CHECK(b >= 0 && b < B, "DecodePlan.step: logit row ", b, " is not a row of x");
+    } else {
+      wanted.resize(B);
+      std::iota(wanted.begin(), wanted.end(), 0);
+    }
     auto run_on = [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
-      return run<T>(x, k_cache, v_cache, k_scales, v_scales, seqs.table, seqs.width, seqs.pos);
+      return run<T>(x, k_cache, v_cache, k_scales, v_scales, seqs.table, seqs.width, seqs.pos, wanted);
     };
     if (kv == at::kFloat) return run_on(static_cast<float*>(nullptr));
     if (kv == at::kBFloat16) return run_on(static_cast<at::BFloat16*>(nullptr));
@@ -109,7 +125,7 @@ class DecodePlan : public torch::CustomClassHolder {
   template <typename T>
   at::Tensor run(const at::Tensor& x, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
-                 const int64_t* table, int64_t width, const int64_t* pos) const {
+                 const int64_t* table, int64_t width, const int64_t* pos, const std::vector<int64_t>& logit_rows) const {
     const int64_t B = x.size(0), qkv_width = (H_ + 2 * H_kv_) * D_, hidden = layers_.empty() ? 0 : layers_[0].w2.K;
     Floats residual(x, /*copy=*/true);
     float* h = residual.mutable_data();  // (B, dim), fp32 throughout
@@ -160,13 +176,16 @@ class DecodePlan : public torch::CustomClassHolder {
         add_to(h, projected.data(), B * dim_);
       }
     }
-    RECORD_FUNCTION("decode_step: norm+lm_head", kNoInputs);
-    normalize(norm_);
-    at::Tensor logits = at::empty({B, output_.N}, x.options());
+    RECORD_FUNCTION("decode_step: norm+lm_head", kNoInputs);  // only the rows whose logits are wanted
+    const int64_t R = static_cast<int64_t>(logit_rows.size());
+    normed.resize(std::max(B, R) * dim_);  // a row may be asked for twice
+    for (int64_t r = 0; r < R; ++r) std::copy(h + logit_rows[r] * dim_, h + (logit_rows[r] + 1) * dim_, normed.begin() + r * dim_);
+    inferlab::rms_normalize(normed.data(), R, dim_, norm_.data(), eps_);
+    at::Tensor logits = at::empty({R, output_.N}, x.options());
     if (x.scalar_type() == at::kBFloat16) {
-      output_(normed.data(), B, logits.data_ptr<at::BFloat16>());
+      output_(normed.data(), R, logits.data_ptr<at::BFloat16>());
     } else {
-      output_(normed.data(), B, logits.data_ptr<float>());
+      output_(normed.data(), R, logits.data_ptr<float>());
     }
     return logits;
   }

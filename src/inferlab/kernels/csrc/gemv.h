@@ -1,16 +1,21 @@
-// Matrix-vector products for decoding on x86 CPUs: y = prepare(x) @ W.T for a few activation rows.
+// Matrix products on x86 CPUs: y = prepare(x) @ W.T for any number of activation rows, from one decode
+// token to a prompt chunk of many sequences' tokens.
 //
 // Decoding one token reads every weight once and does two flops per weight, so the speed limit is
-// how fast the weights stream from memory. This kernel reads each weight row exactly once, a step of
-// 16 or 32 weights at a time, and multiplies them into every activation row (at most kMaxRows), with
-// several independent accumulators and software prefetches far enough ahead that memory, not the
-// instruction window, sets the pace (measured here: int8 rows stream ~2x faster with them). fp32
-// weights are fused-multiply-added; bf16 weights are widened to fp32 (AVX2) or dotted in pairs by the
-// CPU's bf16 instruction (AVX-512); int8 and int4 weights meet int16 activation codes in exact integer
-// multiply-adds (one instruction per 2 * kLanes weights), int4 with a float scale and min per group as
-// GGUF's Q4_1 defines them. Rows are split across torch's intra-op threads. Written once over the
-// SIMD layer (simd.h) and compiled per instruction set. Used by the `gemv` op (gemv.cpp) and the
-// whole decode step (decode_step.cpp).
+// how fast the weights stream from memory. This kernel reads each weight row from memory exactly once
+// per call, a step of 16 or 32 weights at a time, with several independent accumulators and software
+// prefetches far enough ahead that memory, not the instruction window, sets the pace (measured here:
+// int8 rows stream ~2x faster with them). Many activation rows make it a GEMM: each thread goes over
+// tiles of its weight rows small enough to stay in L2 and, per tile, over all activation rows a few at
+// a time, so a weight row comes from memory once and from cache for every further chunk of rows.
+// fp32 weights are fused-multiply-added; bf16 weights are widened to fp32 (AVX2) or dotted in pairs
+// by the CPU's bf16 instruction (AVX-512); int8 and int4 weights meet int16 activation codes in exact
+// integer multiply-adds (one instruction per 2 * kLanes weights), int4 with a float scale and min per
+// group as GGUF's Q4_1 defines them. Every (weight row, activation row) product is summed in the same
+// order whatever else is in the call, so a row's result does not depend on how many rows came with it
+// (a 1-row decode and a K+1-row speculative verification agree to the bit). Rows are split across
+// torch's intra-op threads. Written once over the SIMD layer (simd.h) and compiled per instruction set.
+// Used by the `gemv` op (gemv.cpp) and the whole decode step (decode_step.cpp).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -25,8 +30,8 @@
 namespace inferlab {
 inline namespace INFERLAB_ISA {
 
-constexpr int64_t kMaxRows = 8;       // activation rows per call (decode batch); more go to a GEMM
-constexpr int kRowsPerDot = 4;        // activation rows one dot call keeps in registers
+constexpr int64_t kDecodeRows = 8;    // up to this many activation rows a call is memory-bound (a decode batch)
+constexpr int64_t kTileBytes = 64 * 1024;  // weight rows a thread multiplies into every activation row before the next ones
 constexpr int64_t kGrain = 64;        // weight rows per thread at least
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead each row is requested: one core alone keeps too few loads in flight
 constexpr int64_t kStep = 16;         // K must be a multiple of it; a format's step reads this many weights or twice as many
@@ -71,22 +76,24 @@ inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1)
 
 // A weight format holds its weights and the prepared activations, and computes
 //   dot<R, M>(n, acc, m0): acc[r * M + m] = (weight row n + r) . (activation row m0 + m) / x_scale[m0 + m]
+// with each product's sum in one order for every R and M (batch invariance). kTileRows weight rows go
+// into one dot call with a single activation row, kRows with up to kChunk of many activation rows.
 // The dense formats share one loop over steps of Step::kWidth weights (DenseFormat); a K that is not a
 // multiple of kWidth (only ever by kStep) ends with Step::tail, which reads the first kStep weights of a
 // step (the activations are zero-padded to whole steps). int4 has groups.
 template <typename Step>
 struct DenseFormat {
-  static constexpr int kTileRows = Step::kTileRows;  // weight rows read together for one activation row
+  static constexpr int kTileRows = Step::kTileRows, kRows = Step::kRows, kChunk = Step::kChunk;
   static constexpr int64_t kWidth = Step::kWidth;
   using W = typename Step::W;
   using X = typename Step::X;
   const W* w;
   int64_t K, stride;  // stride: prepared values per activation row
   std::vector<X> x;
-  float x_scale[kMaxRows];
+  std::vector<float> x_scale;  // (M,)
 
   DenseFormat(const W* weights, int64_t K_, const float* xf, int64_t M)
-      : w(weights), K(K_), stride(round_up(K_, kWidth) * Step::kXPerWeight), x(M * stride) {
+      : w(weights), K(K_), stride(round_up(K_, kWidth) * Step::kXPerWeight), x(M * stride), x_scale(M) {
     for (int64_t m = 0; m < M; ++m) x_scale[m] = Step::prepare(xf + m * K, K, x.data() + m * stride);
   }
 
@@ -98,7 +105,9 @@ struct DenseFormat {
     for (int i = 0; i < R * M; ++i) sum[i] = Step::zero();
     const W* rows = w + n * K;
     const int64_t whole = K / kWidth * kWidth;  // weights in whole steps
-    if constexpr (R == 1 && M == 1) {  // one row, read as one stream into four independent partial sums
+    if constexpr (R == 1 && M == 1 && Step::kExact) {
+      // one row, read as one stream into four independent partial sums; exact integer sums, so adding
+      // the partials gives what one sum gives
       typename Step::Acc part[4] = {Step::zero(), Step::zero(), Step::zero(), Step::zero()};
       int64_t k = 0;
       for (; k + 4 * kWidth <= whole; k += 4 * kWidth) {
@@ -108,10 +117,7 @@ struct DenseFormat {
         }
       }
       for (; k < whole; k += kWidth) part[0] = Step::step(rows + k, xs + k / kWidth * X_STEP, part[0]);
-      if constexpr (kWidth > kStep) {
-        if (whole < K) part[1] = Step::tail(rows + whole, xs + whole / kWidth * X_STEP, part[1]);
-      }
-      acc[0] = Step::total(part[0]) + Step::total(part[1]) + Step::total(part[2]) + Step::total(part[3]);
+      acc[0] = Step::total(Step::add(Step::add(part[0], part[1]), Step::add(part[2], part[3])));
       return;
     }
     for (int64_t k = 0; k < whole; k += kWidth) {
@@ -137,7 +143,8 @@ struct DenseFormat {
 
 // fp32 weights: kStep of them fused-multiply-added per step, kLanes at a time
 struct Fp32Step {
-  static constexpr int kTileRows = 4;
+  static constexpr int kTileRows = 4, kRows = kLanes == 16 ? 4 : 2, kChunk = 4;
+  static constexpr bool kExact = false;
   static constexpr int64_t kWidth = kStep, kXPerWeight = 1;
   using W = float;
   using X = float;
@@ -160,7 +167,8 @@ struct Fp32Step {
 // (|x - hi - lo| <= 2^-17 |x|), and the weights meet both, so each step is two dots. Each step's 32
 // activations are stored as their 32 hi values, then their 32 lo values.
 struct Bf16Step {
-  static constexpr int kTileRows = 4;
+  static constexpr int kTileRows = 4, kRows = 4, kChunk = 4;
+  static constexpr bool kExact = false;
   static constexpr int64_t kWidth = 2 * kStep, kXPerWeight = 2;
   using W = at::BFloat16;
   using X = at::BFloat16;
@@ -188,7 +196,8 @@ struct Bf16Step {
 // bf16 is the high half of an fp32: a 32-bit lane holding weights 2i and 2i+1 gives weight 2i shifted
 // up and weight 2i+1 masked, so the activations of each step are stored evens first, then odds.
 struct Bf16Step {
-  static constexpr int kTileRows = 4;
+  static constexpr int kTileRows = 4, kRows = 2, kChunk = 4;
+  static constexpr bool kExact = false;
   static constexpr int64_t kWidth = kStep, kXPerWeight = 1;
   using W = at::BFloat16;
   using X = float;
@@ -217,7 +226,8 @@ struct Bf16Step {
 struct Int8Step {
   // one row at a time, as one stream: int8 rows are short (one 576-byte row of the model is 9 cache
   // lines), and 4 of them in flight per thread streamed ~20% slower here than one
-  static constexpr int kTileRows = 1;
+  static constexpr int kTileRows = 1, kRows = kLanes == 16 ? 4 : 2, kChunk = 4;
+  static constexpr bool kExact = true;
   static constexpr int64_t kWidth = kStep, kXPerWeight = 1;
   using L = Narrow;
   using W = int8_t;
@@ -225,6 +235,7 @@ struct Int8Step {
   using Acc = L::I;
   static Acc zero() { return L::zero_int(); }
   static Acc step(const W* w, const X* x, Acc acc) { return L::dot_int16(acc, L::widen(w), L::load_int(x)); }
+  static Acc add(Acc a, Acc b) { return L::add(a, b); }
   static float total(Acc acc) { return L::sum(acc); }
   static float prepare(const float* x, int64_t K, X* out) { return int16_codes(x, K, out); }
 };
@@ -238,6 +249,7 @@ struct Int8Step {
 // registers), the min terms as one dot per row.
 struct Int4Format {
   static constexpr int kTileRows = 4;    // one activation row: 4 weight rows streamed together
+  static constexpr int kRows = kLanes == 16 ? 2 : 1, kChunk = 4;  // 2 accumulators per product
   static constexpr int64_t kBlock = 32;  // columns per block: 16 bytes
   using L = Wide;
   static constexpr int kBlocks = L::N / 8;
@@ -249,14 +261,14 @@ struct Int4Format {
   std::vector<int16_t> x;                // (M, stride), each step's columns as their evens, then their odds
   std::vector<float> group_sums;         // (M, G)
   std::vector<int64_t> block_group;      // the group of each block of 32 columns, padded to whole steps
-  float x_scale[kMaxRows];
+  std::vector<float> x_scale;            // (M,)
 
   Int4Format(const uint8_t* packed, int64_t K_, int64_t group_, const float* scales_, const float* mins_,
              const float* xf, int64_t M)
       : w(packed), K(K_), group(group_), G(K_ / group_), stride(round_up(K_, kStepColumns)),
         // a step inside one group: its dots add up over the group's steps; else scaled at every step
         steps_per_scale(group_ % kStepColumns == 0 ? group_ / kStepColumns : 1), scales(scales_), mins(mins_),
-        x(M * stride), group_sums(M * G), block_group(stride / kBlock) {
+        x(M * stride), group_sums(M * G), block_group(stride / kBlock), x_scale(M) {
     for (int64_t b = 0; b < stride / kBlock; ++b) block_group[b] = std::min(b * kBlock / group, G - 1);
     for (int64_t m = 0; m < M; ++m) {
       int16_t* codes = x.data() + m * stride;  // the padding stays 0
@@ -324,53 +336,69 @@ struct Int4Format {
   }
 };
 
-// y[m, n] = dot(n, m) * x_scale[m] * scales[n] + bias[n] for n in [begin, end)
-template <typename F, typename Y, int M>
-void rows(const F& f, const float* scales, const float* bias, Y* y, int64_t N, int64_t begin, int64_t end) {
-  constexpr int R = M == 1 ? F::kTileRows : 1;  // weight rows per dot call
-  float acc[R * M];
-  // R weight rows from n times every activation row, kRowsPerDot at a time: the weight row is read from
-  // memory by the first call and from L1 by the second
-  auto dot = [&](int64_t n) {
-    if constexpr (M <= kRowsPerDot) {
-      f.template dot<R, M>(n, acc, 0);
-    } else {
-      f.template dot<1, kRowsPerDot>(n, acc, 0);
-      f.template dot<1, M - kRowsPerDot>(n, acc + kRowsPerDot, kRowsPerDot);
-    }
-  };
+// y[m0 + m, n] = dot(n, m0 + m) * x_scale[m0 + m] * scales[n] + bias[n] for n in [begin, end), m < MR;
+// R weight rows per dot call
+template <typename F, typename Y, int MR, int R>
+void chunk_rows(const F& f, int64_t m0, const float* scales, const float* bias, Y* y, int64_t N, int64_t begin,
+                int64_t end) {
+  float acc[R * MR];
   auto store = [&](int64_t row, int r) {
     const float s = scales ? scales[row] : 1.0f, b = bias ? bias[row] : 0.0f;
-    for (int m = 0; m < M; ++m) y[m * N + row] = static_cast<Y>(acc[r * M + m] * f.x_scale[m] * s + b);
+    for (int m = 0; m < MR; ++m) {
+      y[(m0 + m) * N + row] = static_cast<Y>(acc[r * MR + m] * f.x_scale[m0 + m] * s + b);
+    }
   };
   int64_t n = begin;
   for (; n + R <= end; n += R) {
-    dot(n);
+    f.template dot<R, MR>(n, acc, m0);
     for (int r = 0; r < R; ++r) store(n + r, r);
   }
-  if constexpr (R > 1) {  // the rows after the last whole tile (one activation row)
+  if constexpr (R > 1) {  // the rows after the last whole group of R
     for (; n < end; ++n) {
-      f.template dot<1, 1>(n, acc, 0);
+      f.template dot<1, MR>(n, acc, m0);
       store(n, 0);
+    }
+  }
+}
+
+// chunk_rows for a chunk of mr <= MR activation rows: with one, F::kTileRows weight rows per dot call; with
+// more, one (a decode batch: weight rows streamed one at a time) or, for `many` rows, F::kRows
+template <typename F, typename Y, bool many, int MR = F::kChunk>
+void chunk_rows_of(int64_t mr, const F& f, int64_t m0, const float* scales, const float* bias, Y* y, int64_t N,
+                   int64_t begin, int64_t end) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return chunk_rows_of<F, Y, many, MR - 1>(mr, f, m0, scales, bias, y, N, begin, end);
+  }
+  constexpr int R = MR == 1 ? F::kTileRows : many ? F::kRows : 1;
+  chunk_rows<F, Y, MR, R>(f, m0, scales, bias, y, N, begin, end);
+}
+
+// Weight rows [begin, end) times every activation row, F::kChunk activation rows at a time: a decode batch
+// (up to kDecodeRows) row by row, each weight row read from memory by the first chunk and from L1 by the
+// others; more rows per tile of weight rows, read from memory by the first chunk and from L2 by the others.
+template <typename F, typename Y>
+void rows(const F& f, int64_t M, const float* scales, const float* bias, Y* y, int64_t N, int64_t begin,
+          int64_t end, int64_t row_bytes) {
+  const bool many = M > kDecodeRows;
+  const int64_t tile = many ? std::max<int64_t>(F::kRows, kTileBytes / row_bytes / F::kRows * F::kRows)
+                            : M <= F::kChunk ? end - begin : 1;
+  for (int64_t t = begin; t < end; t += tile) {
+    const int64_t t_end = std::min(end, t + tile);
+    for (int64_t m0 = 0; m0 < M; m0 += F::kChunk) {
+      const int64_t mr = std::min<int64_t>(F::kChunk, M - m0);
+      if (many) {
+        chunk_rows_of<F, Y, true>(mr, f, m0, scales, bias, y, N, t, t_end);
+      } else {
+        chunk_rows_of<F, Y, false>(mr, f, m0, scales, bias, y, N, t, t_end);
+      }
     }
   }
 }
 
 // Split the weight rows across torch's threads.
 template <typename F, typename Y>
-void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* y, int64_t N) {
-  at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: rows<F, Y, 1>(f, scales, bias, y, N, begin, end); break;
-      case 2: rows<F, Y, 2>(f, scales, bias, y, N, begin, end); break;
-      case 3: rows<F, Y, 3>(f, scales, bias, y, N, begin, end); break;
-      case 4: rows<F, Y, 4>(f, scales, bias, y, N, begin, end); break;
-      case 5: rows<F, Y, 5>(f, scales, bias, y, N, begin, end); break;
-      case 6: rows<F, Y, 6>(f, scales, bias, y, N, begin, end); break;
-      case 7: rows<F, Y, 7>(f, scales, bias, y, N, begin, end); break;
-      default: rows<F, Y, 8>(f, scales, bias, y, N, begin, end); break;
-    }
-  });
+void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* y, int64_t N, int64_t row_bytes) {
+  at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) { rows(f, M, scales, bias, y, N, begin, end, row_bytes); });
 }
 
 // Each row of x (M, K) -> x * rsqrt(mean(x^2) + eps) * norm_weight, in fp32: the RMSNorm before the product
@@ -434,16 +462,22 @@ struct Projection {
   // y (M, N) = x (M, K, already normalized or gated) @ W.T * scales + bias
   template <typename Y>
   void operator()(const float* x, int64_t M, Y* y) const {
-    TORCH_CHECK(M >= 1 && M <= kMaxRows, "gemv: at most ", kMaxRows, " activation rows, got ", M);
+    TORCH_CHECK(M >= 1, "gemv: no activation rows");
+    const int64_t row_bytes = weight.nbytes() / N;
     switch (weight.scalar_type()) {
-      case at::kFloat: run_rows(DenseFormat<Fp32Step>(weight.data_ptr<float>(), K, x, M), M, scales.data(), bias.data(), y, N); break;
-      case at::kBFloat16:
-        run_rows(DenseFormat<Bf16Step>(weight.data_ptr<at::BFloat16>(), K, x, M), M, scales.data(), bias.data(), y, N);
+      case at::kFloat:
+        run_rows(DenseFormat<Fp32Step>(weight.data_ptr<float>(), K, x, M), M, scales.data(), bias.data(), y, N, row_bytes);
         break;
-      case at::kChar: run_rows(DenseFormat<Int8Step>(weight.data_ptr<int8_t>(), K, x, M), M, scales.data(), bias.data(), y, N); break;
+      case at::kBFloat16:
+        run_rows(DenseFormat<Bf16Step>(weight.data_ptr<at::BFloat16>(), K, x, M), M, scales.data(), bias.data(), y, N,
+                 row_bytes);
+        break;
+      case at::kChar:
+        run_rows(DenseFormat<Int8Step>(weight.data_ptr<int8_t>(), K, x, M), M, scales.data(), bias.data(), y, N, row_bytes);
+        break;
       default:
         run_rows(Int4Format(weight.data_ptr<uint8_t>(), K, group, scales.data(), mins.data(), x, M), M, nullptr,
-                 bias.data(), y, N);
+                 bias.data(), y, N, row_bytes);
     }
   }
 
