@@ -123,7 +123,7 @@ def test_a_mixed_step_of_decodes_and_prompt_chunks_equals_per_sequence_forwards(
     wanted = [(0, 0), (1, 0), (2, 0), (3, 10), (4, 19), (4, 6)]
     logit_rows = torch.tensor([rows_of[key] for key in wanted])
     cache = caches["mixed"]
-    got = fused(tokens, cache.k, cache.v, torch.tensor([padded[s] for s, _ in order]), positions, logit_rows)
+    got = fused(tokens, cache.k, cache.v, torch.tensor([padded[s] for s, _ in order]), positions, logit_rows=logit_rows)
     assert got.shape == (len(wanted), model.config.vocab_size) and got.dtype == dtype
     for (s, i), logits in zip(wanted, got):
         start = len(prompts[s])
@@ -202,7 +202,9 @@ def test_the_plan_refuses_positions_outside_the_cache(isa, tiny_tokenizer):
     with pytest.raises(RuntimeError, match="block id"):
         engine.fused(tokens, cache.k, cache.v, torch.tensor([[cache.slots]]), torch.tensor([0]))
     with pytest.raises(RuntimeError, match="not a row"):
-        engine.fused(tokens, cache.k, cache.v, table, torch.tensor([0]), torch.tensor([1]))
+        engine.fused(tokens, cache.k, cache.v, table, torch.tensor([0]), logit_rows=torch.tensor([1]))
+    none = engine.fused(tokens, cache.k, cache.v, table, torch.tensor([0]), logit_rows=torch.zeros(0, dtype=torch.long))
+    assert none.shape == (0, engine.model.config.vocab_size)  # only the k/v written (a prompt chunk with more to come)
 
 
 def test_the_bf16_step_stays_within_bf16_storage_of_fp32(isa, tiny_tokenizer):

@@ -100,7 +100,7 @@ class FusedDecode:
         (N, width); k_cache, v_cache (n_layers, num_blocks, n_kv_heads, block_size, head_dim), int8 codes with
         k_scales, v_scales (n_layers, num_blocks, n_kv_heads, block_size) fp32. Every row's k/v is written before
         any row attends, and each attends over its table up to its own position. Returns the logits (R, vocab) of
-        the rows in logit_rows (int64 (R,); None: all N rows), the LM head run for those only.
+        the rows in logit_rows (int64 (R,); None: all N rows; empty: none), the LM head run for those only.
         """
         x = self.model.tok_embeddings(tokens)  # (N, dim)
         return self.plan.step(x, k_cache, v_cache, block_tables, positions, k_scales, v_scales, logit_rows)  # type: ignore[attr-defined]
