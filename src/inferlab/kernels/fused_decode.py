@@ -17,11 +17,11 @@ from torch import Tensor, nn
 
 from inferlab.kernels.attention import DECODE_ATTENTION_MAX_HEAD_DIM
 from inferlab.kernels.build import active_isa, fast_kernels_apply, kernel_classes
-from inferlab.kernels.gemv import GEMV_K_STEP, GEMV_MAX_K
-from inferlab.kernels.layer import KernelLayer
+from inferlab.kernels.gemv import GEMV_K_STEP, GEMV_MAX_K, GEMV_MAX_ROWS
+from inferlab.kernels.layer import DenseCopyLayer, KernelLayer
 from inferlab.model.transformer import Transformer, rope_tables
 
-# Token rows one step takes. The kernels take any number; the bound keeps a step's fp32 activation buffers
+# Token rows one step takes at most (many_rows_limit may choose fewer). The kernels take any number; the bound keeps a step's fp32 activation buffers
 # (~6 KiB per row per hidden unit of the MLP: ~20 MiB at SmolLM2's 1536) and its latency in check, and is
 # above any prompt chunk the schedulers make (scheduler.max_batched_tokens).
 FUSED_MAX_ROWS = 2048
@@ -36,12 +36,25 @@ def projection_parts(linear: nn.Module) -> list[Tensor] | None:
     return weights.parts()
 
 
+def many_rows_limit(model: Transformer) -> int:
+    """FUSED_MAX_ROWS, or GEMV_MAX_ROWS where quantized layers hold dense copies for many rows (oneDNN's bf16 GEMM
+    over them is faster). Measured on SmolLM2 (AVX-512, one thread, batch-1 prompts of 128 / 512 tokens), the
+    fused step against the Python model: int4 (dense bf16 copies) 247 vs 615 and 216 vs 541 tok/s. bf16 weights
+    stay on the fused step though oneDNN is faster there too (361 vs 584, 307 vs 545): its fp32 activations keep
+    mixed steps within the real-model tolerance, the bf16 Python model does not; fp32 354 vs 330, 318 vs 321."""
+    for linear in model.modules():
+        if isinstance(linear, DenseCopyLayer) and linear.dense is not None:
+            return GEMV_MAX_ROWS
+    return FUSED_MAX_ROWS
+
+
 class FusedDecode:
     """One step of a Transformer over a flat batch of token rows: (tokens (N,), caches, block_tables (N, width),
     positions (N,), logit_rows (R,)) -> logits (R, vocab)."""
 
-    def __init__(self, model: Transformer, plan: torch.ScriptObject, isa: str) -> None:
+    def __init__(self, model: Transformer, plan: torch.ScriptObject, isa: str, max_rows: int = FUSED_MAX_ROWS) -> None:
         self.model, self.plan, self.isa = model, plan, isa  # isa: the kernels' build the plan runs on, for good
+        self.max_rows = max_rows  # rows of one step it takes (covers)
 
     @classmethod
     def build(cls, model: Transformer, device: torch.device, dtype: torch.dtype, kernels: str) -> FusedDecode | None:
@@ -79,11 +92,10 @@ class FusedDecode:
         )
         for block, (wqkv, wo, w13, w2) in zip(model.layers, layers):
             plan.add_layer(block.attention_norm.weight.detach(), wqkv, wo, block.ffn_norm.weight.detach(), w13, w2)
-        return cls(model, plan, active_isa().name)
+        return cls(model, plan, active_isa().name, many_rows_limit(model))
 
-    @staticmethod
-    def covers(n_rows: int) -> bool:
-        return 1 <= n_rows <= FUSED_MAX_ROWS
+    def covers(self, n_rows: int) -> bool:
+        return 1 <= n_rows <= self.max_rows
 
     def __call__(
         self,

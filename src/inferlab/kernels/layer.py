@@ -68,6 +68,7 @@ class DenseCopyLayer(Protocol):
 
     in_features: int
     out_features: int
+    dense: Tensor | None  # the copy, once kept
 
     def keep_dense_copy(self, dtype: torch.dtype) -> int:
         """Hold the dequantized weights in `dtype` from now on; return their bytes (0: this layer cannot)."""
