@@ -94,7 +94,13 @@ def test_server_target_starts_drives_and_stops_a_real_server(tmp_path: Path):
 @pytest.mark.slow
 def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path: Path):
     result = one_ok_result(
-        tmp_path, "study=peers", "size=smoke", "model=smollm2-135m", "precision=int8", "measure.repeats=2"
+        tmp_path,
+        "study=peers",
+        "size=smoke",
+        "model=smollm2-135m",
+        "precision=int8",
+        "measure.repeats=2",
+        "study.prefill_tokens=[32]",
     )
     inferlab = [row for row in result["rows"] if row["engine"] == "inferlab"]
     expected = supported_isas()[::-1] if cpu_gemv_available() else ["cpu"]  # the job's own (auto: the widest) first
@@ -109,7 +115,7 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
     for row in measured:  # the roofline is the probed bandwidth over the bytes this engine's weights take
         assert row["roofline_tok_s"] == pytest.approx(bandwidth * 1e9 / (row["weight_mb"] * 2**20))
         assert row["pct_roofline"] == pytest.approx(100 * row["decode_tok_s"] / row["roofline_tok_s"])
-        assert row["prefill_128_tok_s"] > 0 and row["prefill_512_tok_s"] > 0  # the prefill columns, per engine
+        assert row["prefill_32_tok_s"] > 0  # a prefill column per prompt length, per engine
     if rows["llama.cpp"]["decode_tok_s"] is None:  # the peers extra is not installed here
         assert "pip install" in rows["llama.cpp"]["note"]
     else:

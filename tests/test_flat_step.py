@@ -160,9 +160,13 @@ def test_a_sliding_window_and_softcap_model_mixes_too(tiny_tokenizer, one_thread
     steps.release()
 
 
+# every format on the paged cache (the default); the contiguous slots (one block each, the same kernels) at fp32 and
+# the default int4: the random models above cover the whole product
+REAL_CASES = [(p, "paged") for p in QUANT] + [("fp32", "contiguous"), ("int4", "contiguous")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("cache_mode", ["contiguous", "paged"])
-@pytest.mark.parametrize("precision", list(QUANT))
+@pytest.mark.parametrize("precision,cache_mode", REAL_CASES)
 def test_a_mixed_step_on_the_real_model(cache_mode, precision):
     """SmolLM2 in each format on its fastest path here: every step against each sequence's own full forward
     through the same model."""

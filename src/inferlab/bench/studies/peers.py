@@ -99,16 +99,18 @@ def run(cfg: DictConfig) -> Rows:
 
     def one_round(index: int) -> tuple[float, Rates]:
         bandwidth = read_bandwidth_gb_s(int(m.bandwidth_mb), engine.config.device)
-        prompts = {n: prompt_ids(cfg, engine, n, seed=index) for n in prefill_lengths}  # new ones: nothing cached
+        # new prompts every round (seeds from 1: 0 drew the decode prompt), so no engine finds one cached
+        prompts = {n: prompt_ids(cfg, engine, n, seed=index) for n in prefill_lengths}
         rates: Rates = {}
         for key, peer in peers.items():
             rates[key] = {"decode_tok_s": decode_rate(peer.generate(ids, int(m.new_tokens)))}
             rates[key] |= {f"prefill_{n}_tok_s": n / peer.prefill(prompt) for n, prompt in prompts.items()}
         return bandwidth, rates
 
-    for i in range(int(m.warmup)):
-        one_round(-1 - i)
-    repeats = progress(range(int(m.repeats)), f"peers {cfg.precision.name} rounds")
+    warmup = int(m.warmup)
+    for i in range(1, warmup + 1):
+        one_round(i)
+    repeats = progress(range(warmup + 1, warmup + 1 + int(m.repeats)), f"peers {cfg.precision.name} rounds")
     rounds = [one_round(i) for i in repeats]
     bandwidth = statistics.median(b for b, _ in rounds)
     rows = [{**row, "bandwidth_gb_s": bandwidth, **common} for row in unavailable]
