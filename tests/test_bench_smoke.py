@@ -189,6 +189,9 @@ def test_serving_drives_every_server_over_every_level_in_one_job(tmp_path: Path)
         assert [row["requests"] for row in levels] == [2, 4]  # at least one request per stream
         for row in levels:
             assert row["failed"] == 0 and row["median_ttft_ms"] > 0 and row["median_tpot_ms"] > 0
+            # every answer runs to its end (llama.cpp's server cuts a stream short when another request waits,
+            # unless told not to), so c=4 measures as many tokens per request as c=1
+            assert row["output_tokens_per_request"] == levels[0]["output_tokens_per_request"] > 0
             assert row["speedup_vs_c1"] == pytest.approx(row["output_throughput"] / levels[0]["output_throughput"])
     log = next(path for path in tmp_path.rglob("inferlab.log"))
     assert "precision int4 (auto: the GGUF's Q4_1)" in log.read_text()  # inferlab-serve ran its defaults

@@ -55,7 +55,13 @@ def inferlab_server(model: str, overrides: list[str]) -> ServerSpec:
 
 
 def llama_cpp_server(gguf: Path, threads: int, n_ctx: int) -> ServerSpec:
-    """llama-cpp-python's OpenAI-compatible server on the GGUF file itself."""
+    """llama-cpp-python's OpenAI-compatible server on the GGUF file itself.
+
+    It runs one request at a time (no batching of sequences): the others wait their turn. Its default
+    `interrupt_requests` ends a streaming request early whenever another one waits, so a concurrent load
+    would measure cut-short answers (a few tokens each); off, every request runs to its end, as on the
+    other servers.
+    """
     llama_cpp = require("llama_cpp", "the llama.cpp peer (pip install -e .[peers])")
     require("llama_cpp.server.app", "llama-cpp-python's server (pip install -e .[peers])")
     argv = [
@@ -74,6 +80,8 @@ def llama_cpp_server(gguf: Path, threads: int, n_ctx: int) -> ServerSpec:
         str(threads),
         "--n_ctx",
         str(n_ctx),
+        "--interrupt_requests",
+        "false",
     ]
     return ServerSpec(
         "llama.cpp", argv, f"{gguf.name} (llama-cpp-python {llama_cpp.__version__})", health_path="/v1/models"
