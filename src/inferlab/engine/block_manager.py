@@ -116,6 +116,16 @@ class BlockManager:
             self.prefix.register(table.blocks[i], parent, ids)
             table.keys.append(parent)
 
+    def trim(self, table: BlockTable, n_tokens: int) -> None:
+        """Give back the tail blocks past room for `n_tokens` positions (what rejected draft tokens used);
+        they hold no computed token, so none is in the prefix cache."""
+        keep = max(self.blocks_for(n_tokens), self.blocks_for(table.num_computed))
+        for block in reversed(table.blocks[keep:]):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_ids.append(block)
+        del table.blocks[keep:]
+
     def free(self, table: BlockTable) -> None:
         """Drop the table's references; the tail goes first so the LRU evicts tails before shared heads."""
         for block in reversed(table.blocks):

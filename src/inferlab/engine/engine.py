@@ -2,10 +2,10 @@
 
 On the paged cache every way in (`generate`, `chat`, `stream_generate`, `submit`, `generate_batch`)
 goes through the engine loop (engine/loop.py: schedule -> one flat forward -> sample -> stream),
-batched with whatever else runs. The single-sequence reference (engine/single.py: `prefill`,
+batched with whatever else runs, speculation included (engine/spec_batch.py). The single-sequence reference (engine/single.py: `prefill`,
 `decode_step`) serves `generate` on the contiguous cache and cache=none (recomputed in full at every
 step, the baseline the KV-cache study measures against); `generate_batch` on the contiguous cache runs
-the seed's left-padded static batch; speculative decoding runs one request at a time, drafted and verified.
+the seed's left-padded static batch; off the engine loop, speculative decoding runs one request at a time.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch import Tensor
 
 from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
 from inferlab.engine.block_manager import BlockManager
+from inferlab.engine.draft_pool import loop_drafts
 from inferlab.engine.kv_cache import KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.loop import EngineLoop, FaultHook
 from inferlab.engine.paged import PagedKVCache
@@ -31,6 +32,7 @@ from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent, Timings
 from inferlab.engine.single import CachedSequence, PagedSequence, RecomputeSequence, Sequence
+from inferlab.engine.spec_batch import LoopSpeculation
 from inferlab.engine.speculative import Speculation, stream_events
 from inferlab.engine.stop import TextStream
 from inferlab.errors import CapacityError, InvalidRequestError
@@ -83,7 +85,6 @@ class GenerationRequest:
 class InferenceEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, speculation: Speculation | None = None) -> None:
         self.loaded, self.config = loaded, config
-        self.speculation = speculation  # spec=ngram|draft|self: requests run one at a time, drafted and verified
         self.model: Transformer = loaded.model
         self.tokenizer = loaded.tokenizer
         self.load_stats: dict[str, float] = {}  # the load's time and peak resident memory (api.engine_from_config)
@@ -122,8 +123,26 @@ class InferenceEngine:
         if self.blocks is not None:
             self.loop = EngineLoop(self.model, self.paged, self.blocks, config.scheduler, self.fused, self._lock)
         self.scheduler: Scheduler | None = self.loop.scheduler if self.loop else None
+        self.speculation = speculation  # spec=ngram|draft|self: drafted and verified, in the loop where it runs
         self._request_ids = itertools.count()
         self._single_running = 0  # requests on a one-at-a-time path (single sequences, static batches, spec)
+
+    @property
+    def speculation(self) -> Speculation | None:
+        return self._speculation
+
+    @speculation.setter
+    def speculation(self, speculation: Speculation | None) -> None:
+        """The drafter for every way in; the engine loop's sequences draft in a pool of their own."""
+        self._speculation = speculation
+        if self.loop is not None:
+            with self._lock:
+                self.loop.set_speculation(self._loop_speculation(speculation) if speculation else None)
+
+    def _loop_speculation(self, speculation: Speculation) -> LoopSpeculation:
+        blocks = self.blocks
+        drafts = loop_drafts(speculation.drafter, blocks.num_blocks, blocks.block_size, self.config.device)
+        return LoopSpeculation(speculation, drafts, blocks, speculation.drafter.step_cost(self.model))
 
     @property
     def failure(self) -> str | None:
@@ -141,8 +160,8 @@ class InferenceEngine:
 
     @property
     def through_loop(self) -> bool:
-        """Whether generate, chat and stream_generate go through the engine loop: on the paged cache, spec off."""
-        return self.config.cache_mode == "paged" and self.speculation is None
+        """Whether generate, chat and stream_generate go through the engine loop: on the paged cache."""
+        return self.config.cache_mode == "paged"
 
     # ---- the steps -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -226,10 +245,10 @@ class InferenceEngine:
     def iter_events(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         """Generate token by token; the last event closes the request with its finish reason and timings."""
         self.check_supported(params, loop=self.through_loop)
-        if self.speculation is not None:
-            yield from self._iter_speculative(prompt_ids, params)
-        elif self.through_loop:
+        if self.through_loop:
             yield from self._iter_loop(prompt_ids, params)
+        elif self.speculation is not None:
+            yield from self._iter_speculative(prompt_ids, params)
         else:
             yield from self._iter_single(prompt_ids, params)
 
@@ -409,11 +428,10 @@ class InferenceEngine:
 
         Bad input (InvalidRequestError), a request the whole KV pool could never hold (CapacityError)
         and a full wait queue (OverloadedError) raise here, before any tensor work. Call it from the
-        event loop. With cache=none requests run one at a time, recomputed (the baseline); with spec on,
-        one at a time, drafted and verified.
+        event loop. With cache=none requests run one at a time, recomputed (the baseline).
         """
-        self.check_supported(request.params, loop=self.speculation is None)
-        if self.loop is None or self.speculation is not None:
+        self.check_supported(request.params, loop=True)
+        if self.loop is None:
             return self.stream_generate(request)
         return self._submit(request, bounded=True)
 

@@ -5,6 +5,8 @@ token and prompt chunks up to its token budget; they run as ONE flat forward (en
 request whose tokens are all in samples its next token through its own sampling state; its events go
 to its `emit`, which hands them to whoever waits (an asyncio queue for the server, a plain queue for
 `generate`). Requests come and go from any thread (`add`, `cancel`); only this thread touches tensors.
+With speculation on, each decode's segment also carries its sequence's drafts, and "sample" verifies
+them (engine/spec_batch.py): several tokens per sequence per step, the same tokens as without.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.paged import PagedKVCache
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent
+from inferlab.engine.spec_batch import LoopSpeculation
 from inferlab.errors import EngineFailedError, GenerationError
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer
@@ -47,6 +50,7 @@ class EngineLoop:
         self.scheduler = Scheduler(blocks, config)
         self.failure: str | None = None  # why the loop stopped; set once, then every request is refused
         self.fault_hook: FaultHook | None = None  # tests only
+        self.speculation: LoopSpeculation | None = None  # drafts verified in the step's forward (set_speculation)
         self._wake = threading.Condition()  # the loop sleeps on it while there is nothing to do
         self._thread: threading.Thread | None = None
 
@@ -70,6 +74,11 @@ class EngineLoop:
             self.scheduler.cancel(request)
             with self._wake:
                 self._wake.notify()
+
+    def set_speculation(self, speculation: LoopSpeculation | None) -> None:
+        """Draft and verify inside the loop (None: plain decoding). Call it holding `lock`."""
+        self.speculation = speculation
+        self.scheduler.lookahead = speculation.speculation.k if speculation is not None else 0
 
     # ---- the loop's own thread ---------------------------------------------------------------------
     def _run_loop(self) -> None:
@@ -102,29 +111,32 @@ class EngineLoop:
     def step(self) -> bool:
         """One turn: schedule -> run (one flat forward) -> sample -> stream. Call it holding `lock` (the loop
         does). Returns whether any token was computed."""
-        work = self.scheduler.schedule().work
+        batch = self.scheduler.schedule()
+        work = batch.work
         if work:
-            self._run(work)
+            drafts = self.speculation.propose(batch, self.scheduler.running) if self.speculation else {}
+            self._run(work, drafts)
         return bool(work)
 
-    def _run(self, work: list[tuple[Request, int]]) -> None:
-        """Feed each request its next `n` uncomputed tokens, all in one forward; sample those whose tokens are all in.
+    def _run(self, work: list[tuple[Request, int]], drafts: dict[Request, list[int]]) -> None:
+        """Feed each request its next `n` uncomputed tokens (and its `drafts`), all in one forward; sample those
+        whose tokens are all in.
 
         A forward that raises is run again request by request (rewriting the same KV positions), so only
         the request that caused it fails; a request whose sampling, stop check or text fails fails alone.
         """
         try:
-            logits = self._forward(work)
+            logits = self._forward(work, drafts)
         except Exception as error:
             if len(work) == 1:
                 self._fail(work[0][0], "forward", error)
             else:
                 for item in work:
-                    self._run([item])
+                    self._run([item], drafts)
             return
         for (request, n), rows in zip(work, logits):
             try:
-                events = self._sample(request, rows, n)
+                events = self._sample(request, rows, n, request in drafts)
             except Exception as error:
                 self._fail(request, "sample", error)
                 continue
@@ -133,23 +145,27 @@ class EngineLoop:
             for event in events:
                 deliver(request, event)
 
-    def _forward(self, work: list[tuple[Request, int]]) -> list[Tensor]:
+    def _forward(self, work: list[tuple[Request, int]], drafts: dict[Request, list[int]]) -> list[Tensor]:
         """The step's one forward: each request's logits rows (n_logits, vocab), as `segment` asks."""
         if self.fault_hook is not None:
             self.fault_hook("forward", [r for r, _ in work])
-        segments = [segment(r, n) for r, n in work]
+        segments = [segment(r, n, drafts.get(r, [])) for r, n in work]
         logits = forward_flat(self.model, self.cache, FlatBatch.pack(segments, self.cache.k.device), self.fused)
         return list(logits.split([s.n_logits for s in segments]))
 
-    def _sample(self, request: Request, rows: Tensor, n: int) -> list[StreamEvent]:
-        """Record the `n` computed tokens; the events of the next token once the prompt is all in."""
+    def _sample(self, request: Request, rows: Tensor, n: int, drafted: bool) -> list[StreamEvent]:
+        """Record the `n` computed tokens; the events of the next token once the prompt is all in (of the
+        tokens its drafts' verification keeps, for a `drafted` decode)."""
         if request.records_prompt_logits:
             request.record_prompt_logits(request.kv.num_computed, rows)
-        self.blocks.advance(request.kv, request.token_ids, n)
-        if request.num_uncomputed:
-            return []  # a prompt chunk: its next token comes after the last chunk
+        if not drafted:
+            self.blocks.advance(request.kv, request.token_ids, n)
+            if request.num_uncomputed:
+                return []  # a prompt chunk: its next token comes after the last chunk
         if self.fault_hook is not None:
             self.fault_hook("sample", [request])
+        if drafted and self.speculation is not None:
+            return self.speculation.verify(request, rows)
         return request.sample(rows[-1])
 
     def _fail(self, request: Request, stage: str, error: Exception) -> None:
@@ -165,12 +181,13 @@ class EngineLoop:
         )
 
 
-def segment(request: Request, n: int) -> Segment:
-    """A request's next `n` tokens; the logits wanted: every row of a prompt whose log-probabilities are
-    asked, the last row once its tokens are all in, none for a prompt chunk with more to come."""
+def segment(request: Request, n: int, drafts: list[int]) -> Segment:
+    """A request's next `n` tokens and its drafts; the logits wanted: every row of a prompt whose
+    log-probabilities are asked, the last row once its tokens are all in (and every draft's), none for a
+    prompt chunk with more to come."""
     start = request.kv.num_computed
-    n_logits = n if request.records_prompt_logits else int(start + n == request.num_tokens)
-    return Segment(request.token_ids[start : start + n], start, request.kv.blocks, n_logits)
+    n_logits = n if request.records_prompt_logits else int(start + n == request.num_tokens) + len(drafts)
+    return Segment(request.token_ids[start : start + n] + drafts, start, request.kv.blocks, n_logits)
 
 
 def deliver(request: Request, item: StreamEvent | BaseException) -> None:

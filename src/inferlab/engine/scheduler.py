@@ -3,6 +3,8 @@
 Each step is one forward over at most `max_batched_tokens` tokens (vLLM V1's token budget): every
 running sequence whose prompt is done decodes one token, and prompts fill the rest of the budget in
 chunks, so a long prompt cannot stall those decodes.
+With speculation on (`lookahead` > 0), each decode also gets room for up to that many draft tokens
+past its next one, from the budget left and free blocks only: a draft never preempts anyone.
 A waiting request is admitted only when the pool holds its prompt plus its first generated token.
 When a decode needs a block and none is free, the latest admitted sequence is preempted: its blocks
 are freed and it goes back to the front of the queue, to be recomputed (its full blocks often come
@@ -32,6 +34,7 @@ class SchedulerConfig:
 class ScheduledBatch:
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to feed this step)
     decodes: list[Request] = field(default_factory=list)  # each feeds its last sampled token
+    lookahead: list[int] = field(default_factory=list)  # per decode: room for this many draft tokens after it
 
     @property
     def work(self) -> list[tuple[Request, int]]:
@@ -40,8 +43,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, config: SchedulerConfig) -> None:
-        self.blocks, self.config = blocks, config
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig, lookahead: int = 0) -> None:
+        """`lookahead`: draft tokens a decode may add (spec.k with speculation on, else 0)."""
+        self.blocks, self.config, self.lookahead = blocks, config, lookahead
         self.waiting: list[Request] = []  # ordered by (priority, arrival)
         self.running: list[Request] = []  # in admission order
         self.preemptions = 0
@@ -72,6 +76,8 @@ class Scheduler:
             budget = self.config.max_batched_tokens
             preempted = self._schedule_decodes(batch, budget)
             budget -= len(batch.decodes)
+            if self.lookahead:
+                budget -= self._reserve_lookahead(batch, budget)
             for request in self.running:  # prompts admitted earlier continue first
                 if budget and request not in batch.decodes and request.num_uncomputed > 1:
                     n = min(request.num_uncomputed, budget)
@@ -122,6 +128,19 @@ class Scheduler:
             else:
                 batch.decodes.append(request)
         return preempted
+
+    def _reserve_lookahead(self, batch: ScheduledBatch, budget: int) -> int:
+        """Room for each decode's drafts, up to `lookahead`, what it may still generate, the budget and the free
+        blocks; returns the tokens reserved."""
+        used = 0
+        for request in batch.decodes:
+            want = min(self.lookahead, request.max_new_tokens - len(request.output_ids) - 1, budget - used)
+            if want > 0:
+                self.blocks.ensure_room(request.kv, request.num_tokens + want)  # as far as free blocks go
+                want = min(want, len(request.kv.blocks) * self.blocks.block_size - request.num_tokens)
+            batch.lookahead.append(max(want, 0))
+            used += batch.lookahead[-1]
+        return used
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -1,0 +1,88 @@
+"""Speculation inside the engine loop: every decoding sequence drafts its own K, and the step's one flat forward
+verifies them all.
+
+The scheduler gives each decode room for up to spec.k draft tokens past its next one (engine/scheduler.py);
+here each sequence picks its K within that room (engine/adaptive_k.py: from its own acceptance so far) and
+the drafter proposes (engine/draft_pool.py: one draft forward per draft step for all the sequences). The
+sequence's segment of the step is then its last token and its drafts, every row's logits wanted: K+1
+next-token distributions. Each sequence is rejection-sampled on its own with the acceptance rule of
+engine/speculative.py (at temperature 0: the drafts kept while they equal the target's argmax), so its
+tokens are distributed exactly as without speculation. The KV of the fed token and the accepted drafts is
+counted (and, once a block is full, findable in the prefix cache); the rejected rows' KV is not, and the
+blocks they took go back to the allocator. A round's tokens are streamed one by one through the request's
+own `accept`, which ends it at EOS, a stop string or max_tokens wherever that falls in the round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from inferlab.engine.adaptive_k import AdaptiveK
+from inferlab.engine.block_manager import BlockManager
+from inferlab.engine.draft_pool import LoopDrafts
+from inferlab.engine.drafters import Proposal
+from inferlab.engine.sampling import probabilities
+from inferlab.engine.scheduler import ScheduledBatch
+from inferlab.engine.sequence import Request, StreamEvent
+from inferlab.engine.speculative import SpecStats, Speculation, verify, verify_greedy
+
+
+@dataclass
+class LoopSpeculation:
+    """What the engine loop holds with spec on: the drafts of its sequences and each one's K policy."""
+
+    speculation: Speculation
+    drafts: LoopDrafts
+    blocks: BlockManager  # the target's: verification counts kept tokens and gives rejected rows' blocks back
+    draft_cost: float  # one draft step in target steps (adaptive K)
+    policies: dict[Request, AdaptiveK] = field(default_factory=dict)
+    proposals: dict[Request, Proposal] = field(default_factory=dict)  # this step's
+
+    def propose(self, batch: ScheduledBatch, running: Collection[Request]) -> dict[Request, list[int]]:
+        """Each decode of `batch` with room for drafts: its drafts (possibly none) for this step's forward."""
+        self.drafts.retain(running)
+        for request in [r for r in self.policies if r not in running]:
+            del self.policies[request]
+        wants = [(r, self._k(r, room)) for r, room in zip(batch.decodes, batch.lookahead) if room]
+        calls = self.drafts.calls
+        self.proposals = dict(zip((r for r, _ in wants), self.drafts.propose(wants)))
+        self.speculation.totals.draft_calls += self.drafts.calls - calls
+        return {r: p.tokens for r, p in self.proposals.items()}
+
+    def _k(self, request: Request, room: int) -> int:
+        if not self.speculation.adaptive:
+            return min(self.speculation.k, room)
+        policy = self.policies.get(request)
+        if policy is None:
+            policy = self.policies[request] = AdaptiveK(self.speculation.k, self.draft_cost)
+        return min(policy.next_k(), room)
+
+    def verify(self, request: Request, rows: Tensor) -> list[StreamEvent]:
+        """The step's (1 + k, vocab) logits of a drafted decode -> its kept tokens' events."""
+        proposal = self.proposals[request]
+        drafts = proposal.tokens
+        self.blocks.advance(request.kv, request.token_ids, 1)  # the fed token's KV is the sequence's either way
+        if not drafts:  # exactly plain decoding
+            n, events = 0, request.sample(rows[-1])
+        else:
+            if request.params.greedy:
+                n, last = verify_greedy(rows, drafts)
+            else:
+                n, last = verify(probabilities(rows, request.params), drafts, proposal.probs, request.generator)
+            events = []
+            for token in [*drafts[:n], last]:
+                events += request.accept(token)
+                if request.finished:
+                    break
+            policy = self.policies.get(request)
+            if policy is not None:
+                policy.observe(len(drafts), n)
+        if not request.finished:
+            self.blocks.advance(request.kv, request.token_ids, n)
+            self.blocks.trim(request.kv, request.num_tokens)
+            self.drafts.rollback(request, request.kv.num_computed)
+        self.speculation.totals.add(SpecStats(1, 0, len(drafts), n, n + 1))
+        return events

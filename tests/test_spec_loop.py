@@ -1,0 +1,191 @@
+"""Speculation inside the engine loop: every decode drafts, the step's one forward verifies them all.
+
+Against references: spec off's greedy tokens (single requests) for every drafter, under random arrivals,
+cancellations and preemptions with every block coming back; at T > 0 the exact target distribution."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+from conftest import tiny_engine
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from test_scheduler import PREFIXES, check_invariants, operations
+from test_spec import TOY_PROMPT, chi_square_pvalue, exact_sequence_probs, perturbed, toy_model
+
+from inferlab.engine.drafters import Drafter, ModelDrafter, NgramDrafter
+from inferlab.engine.engine import InferenceEngine
+from inferlab.engine.sampling import SamplingParams
+from inferlab.engine.sequence import Request
+from inferlab.engine.speculative import Speculation
+from inferlab.errors import CapacityError, OverloadedError
+from inferlab.model.loader import LoadedModel
+from inferlab.model.transformer import Transformer
+from inferlab.quant.self_draft import self_draft
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DRAFTERS = ["ngram", "draft", "self", "copy"]  # copy: the target itself, every draft accepted
+
+
+def drafter(kind: str, target: Transformer) -> Drafter:
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "draft":
+        return ModelDrafter(perturbed(target, 0.01, seed=1), min_confidence=0.3)
+    if kind == "self":
+        return ModelDrafter(self_draft(target, "int4"), "self", min_confidence=0.1)
+    return ModelDrafter(target)
+
+
+def loop_engine(
+    tokenizer, model: Transformer | None, kv_blocks: int, block_size: int = 4, prefix: bool = False, **scheduler
+) -> InferenceEngine:
+    """A paged engine over `model` (None: the tiny one) whose every way in goes through the engine loop."""
+    base = tiny_engine(tokenizer, "paged")
+    loaded = base.loaded if model is None else LoadedModel(model, tokenizer, model.config, "toy")
+    config = replace(
+        base.config,
+        kv_blocks=kv_blocks,
+        block_size=block_size,
+        prefix_cache=prefix,
+        scheduler=replace(base.config.scheduler, **scheduler),
+    )
+    return InferenceEngine(loaded, config)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tiny_tokenizer):
+    """(prompt, max_new) -> spec off's single-request greedy tokens, each computed once."""
+    engine = tiny_engine(tiny_tokenizer, "contiguous", slots=1)
+    return functools.cache(lambda prompt, max_new: engine.generate(list(prompt), max_new_tokens=max_new).token_ids)
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_batched_speculation_gives_spec_off_greedy_tokens(tiny_tokenizer, greedy_reference, kind, adaptive):
+    """Several requests speculating together, drafts of different lengths verified in one forward each step:
+    each one's single-request tokens, stop strings and max_tokens cut inside a round, every block back."""
+    engine = loop_engine(tiny_tokenizer, None, kv_blocks=64, prefix=True)
+    engine.speculation = Speculation(drafter(kind, engine.model), 4, adaptive)
+    steps: list[int] = []
+    step = engine.loop.step
+    engine.loop.step = lambda: steps.append(1) or step()
+    prompts = [list(range(5, 25)), [7, 8, 9] * 6, list(range(40, 47)), [3, 1, 4, 1, 5, 9, 2, 6]]
+    lengths = [24, 17, 3, 30]
+    completions = engine.generate_batch(prompts, max_new_tokens=24)
+    for prompt, completion in zip(prompts, completions):
+        assert completion.token_ids == greedy_reference(tuple(prompt), 24)
+        assert completion.timings.completion_tokens == len(completion.token_ids)
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 or stats["prefix_cache_blocks"] >= stats["kv_blocks_used"]
+    assert stats["spec_proposed"] > 0 and 0 < stats["spec_generated"] <= sum(len(c.token_ids) for c in completions)
+    if kind != "ngram":
+        assert stats["spec_accepted"] > 0
+    if kind == "copy":
+        assert len(steps) < 24  # several tokens per sequence per step
+    full = engine.generate(prompts[0], max_new_tokens=24)
+    stop = engine.tokenizer.decode(full.token_ids[5:7])
+    cut = engine.generate(prompts[0], max_new_tokens=24, stop=stop)
+    want = tiny_engine(tiny_tokenizer, "contiguous", slots=1).generate(prompts[0], max_new_tokens=24, stop=stop)
+    assert (cut.text, cut.finish_reason) == (want.text, want.finish_reason)
+    for length in lengths:
+        assert engine.generate(prompts[1], max_new_tokens=length).token_ids == greedy_reference(
+            tuple(prompts[1]), length
+        )
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    ops=operations,
+    kind=st.sampled_from(DRAFTERS),
+    k=st.integers(1, 5),
+    adaptive=st.booleans(),
+    kv_blocks=st.integers(5, 9),
+    prefix=st.booleans(),
+    max_running=st.integers(2, 5),
+    budget=st.integers(1, 24),
+)
+def test_speculating_loop_never_leaks_and_gives_single_request_tokens(
+    tiny_tokenizer, greedy_reference, ops, kind, k, adaptive, kv_blocks, prefix, max_running, budget
+):
+    """The engine loop with speculation on under random arrivals, cancels and preemptions: every block of the
+    target's pool and of the draft's comes back, and every finished request has spec off's greedy tokens."""
+    engine = loop_engine(
+        tiny_tokenizer, None, kv_blocks, prefix=prefix, max_running=max_running, max_batched_tokens=budget
+    )
+    engine.speculation = Speculation(drafter(kind, engine.model), k, adaptive)
+    requests: list[Request] = []
+
+    def step() -> None:
+        engine.loop.step()
+        check_invariants(engine.scheduler)
+        assert all(not r.kv.blocks or r in engine.scheduler.running for r in requests)
+
+    for op in ops:
+        if op[0] == "arrive":
+            _, which, suffix, max_new, priority = op
+            prompt = PREFIXES[which] + [(len(requests) * 7 + j) % 40 + 10 for j in range(suffix)]
+            request = engine._new_request(
+                prompt, SamplingParams(max_new_tokens=max_new), lambda e: None, priority=priority
+            )
+            try:
+                engine.scheduler.add(request)
+            except (CapacityError, OverloadedError):
+                continue
+            requests.append(request)
+        elif op[0] == "cancel" and requests:
+            engine.scheduler.cancel(requests[op[1] % len(requests)])
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                step()
+    for _ in range(10_000):
+        if not engine.scheduler.has_work():
+            break
+        step()
+    assert not engine.scheduler.has_work()
+    event(f"preempted: {engine.scheduler.preemptions > 0}")
+    event(f"accepted: {engine.stats()['spec_accepted'] > 0}")
+    assert engine.blocks.num_free == kv_blocks and not any(engine.blocks.ref_counts)
+    drafts = engine.loop.speculation.drafts
+    drafts.retain([])
+    if hasattr(drafts, "blocks"):
+        assert drafts.blocks.num_free == drafts.blocks.num_blocks and not any(drafts.blocks.ref_counts)
+    for request in requests:
+        if request.finished:
+            assert request.output_ids == greedy_reference(tuple(request.prompt_ids), request.max_new_tokens)
+        else:
+            assert request.cancelled
+
+
+N_TOY = 800
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+def test_batched_speculation_samples_the_target_distribution(tiny_tokenizer, kind):
+    """T = 1 through the loop, many requests (each its own seed) speculating in the same steps: the
+    3-token sequences follow the target's exact distribution (Pearson's test, as test_spec.py's)."""
+    target = toy_model(11, n_layers=2)
+    params = SamplingParams(max_new_tokens=3, temperature=1.0)
+    exact = exact_sequence_probs(target, TOY_PROMPT, 3, params)
+    engine = loop_engine(tiny_tokenizer, target, kv_blocks=256, max_running=16)
+    draft = ModelDrafter(toy_model(12), min_confidence=0.6) if kind == "draft" else NgramDrafter(max_n=2)
+    engine.speculation = Speculation(draft, 2, adaptive=False)
+    requests = []
+    for seed in range(N_TOY):
+        request = engine._new_request(TOY_PROMPT, replace(params, seed=seed), lambda e: None)
+        request.eos_ids = set()  # every id of the toy vocabulary is a token
+        engine.scheduler.add(request, bounded=False)
+        requests.append(request)
+    while engine.scheduler.has_work():
+        engine.loop.step()
+    assert engine.stats()["spec_accepted"] > 0
+    counts: dict = {}
+    for request in requests:
+        key = tuple(request.output_ids)
+        counts[key] = counts.get(key, 0) + 1
+    assert chi_square_pvalue(counts, exact, N_TOY) > 1e-3
