@@ -26,6 +26,7 @@ from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.draft_pool import loop_drafts
 from inferlab.engine.kv_cache import KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.loop import EngineLoop, FaultHook
+from inferlab.engine.mailbox import mailbox
 from inferlab.engine.paged import PagedKVCache
 from inferlab.engine.prefix_cache import PrefixCache
 from inferlab.engine.sampling import SamplingParams
@@ -439,12 +440,12 @@ class InferenceEngine:
         """Queue `request` on the engine loop now; its events arrive on this event loop."""
         prompt_ids = self.encode_prompt(request.prompt, request.chat, request.messages)
         self.check_prompt(prompt_ids)
-        loop = asyncio.get_running_loop()
+        box = mailbox()  # the engine thread's events reach this event loop batched, one wakeup per step
         inbox: asyncio.Queue = asyncio.Queue()
         scheduled = self._new_request(
             prompt_ids,
             request.params,
-            lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
+            lambda item: box.post(inbox, item),
             priority=request.priority,
         )
         self.loop.add(scheduled, bounded)
@@ -496,7 +497,7 @@ class InferenceEngine:
             return
         prompt_ids = self.encode_prompt(request.prompt, request.chat, request.messages)
         self.check_prompt(prompt_ids)
-        loop = asyncio.get_running_loop()
+        box = mailbox()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
         done = object()
@@ -505,12 +506,12 @@ class InferenceEngine:
             try:
                 with closing(self.iter_events(prompt_ids, request.params)) as events:
                     for event in events:
-                        loop.call_soon_threadsafe(queue.put_nowait, event)
+                        box.post(queue, event)
                         if cancelled.is_set():
                             break
             except BaseException as e:  # handed to the consumer, who re-raises it
-                loop.call_soon_threadsafe(queue.put_nowait, e)
-            loop.call_soon_threadsafe(queue.put_nowait, done)
+                box.post(queue, e)
+            box.post(queue, done)
 
         worker = threading.Thread(target=produce, daemon=True)
         worker.start()

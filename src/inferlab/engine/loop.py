@@ -20,6 +20,7 @@ from torch import Tensor
 
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.flat import FlatBatch, Segment, forward_flat
+from inferlab.engine.mailbox import batched
 from inferlab.engine.paged import PagedKVCache
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent
@@ -90,7 +91,7 @@ class EngineLoop:
             while True:
                 with self._wake:
                     self._wake.wait_for(self.scheduler.has_work)
-                with self.lock:
+                with self.lock, batched():  # a step's events reach each event loop in one wakeup
                     try:
                         progressed = self.step()
                     except Exception as error:  # the scheduler's own state is in doubt: start from empty
