@@ -27,7 +27,9 @@ from inferlab.quant.self_draft import self_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-DRAFTERS = ["ngram", "draft", "self", "copy"]  # copy: the target itself, every draft accepted
+# draft: a model of its own (its KV in a pool of its own); self: the target's weights at int4 drafting over the
+# target's KV; copy: the target itself in a pool of its own, every draft accepted
+DRAFTERS = ["ngram", "draft", "self", "copy"]
 
 
 def drafter(kind: str, target: Transformer) -> Drafter:
@@ -36,7 +38,7 @@ def drafter(kind: str, target: Transformer) -> Drafter:
     if kind == "draft":
         return ModelDrafter(perturbed(target, 0.01, seed=1), min_confidence=0.3)
     if kind == "self":
-        return ModelDrafter(self_draft(target, "int4"), "self", min_confidence=0.1)
+        return ModelDrafter(self_draft(target, "int4"), "self", min_confidence=0.1, target_kv=True)
     return ModelDrafter(target)
 
 
@@ -165,7 +167,7 @@ def test_speculating_loop_never_leaks_and_gives_single_request_tokens(
 N_TOY = 800
 
 
-@pytest.mark.parametrize("kind", ["draft", "ngram"])
+@pytest.mark.parametrize("kind", ["draft", "self", "ngram"])
 def test_batched_speculation_samples_the_target_distribution(tiny_tokenizer, kind):
     """T = 1 through the loop, many requests (each its own seed) speculating in the same steps: the
     3-token sequences follow the target's exact distribution (Pearson's test, as test_spec.py's)."""
@@ -173,7 +175,11 @@ def test_batched_speculation_samples_the_target_distribution(tiny_tokenizer, kin
     params = SamplingParams(max_new_tokens=3, temperature=1.0)
     exact = exact_sequence_probs(target, TOY_PROMPT, 3, params)
     engine = loop_engine(tiny_tokenizer, target, kv_blocks=256, max_running=16)
-    draft = ModelDrafter(toy_model(12), min_confidence=0.6) if kind == "draft" else NgramDrafter(max_n=2)
+    draft = {
+        "draft": ModelDrafter(toy_model(12), min_confidence=0.6),
+        "self": ModelDrafter(self_draft(target, "int8"), min_confidence=0.6, target_kv=True),
+        "ngram": NgramDrafter(max_n=2),
+    }[kind]
     engine.speculation = Speculation(draft, 2, adaptive=False)
     requests = []
     for seed in range(N_TOY):

@@ -1,11 +1,14 @@
 """Drafting for every sequence of an engine-loop step: each one's next K tokens, the draft model batched.
 
-A draft model (spec=self, spec=draft) keeps every sequence's KV in blocks of a paged pool of its own, so
-one draft step of all the sequences still drafting is ONE flat forward (engine/flat.py, on the draft's
-fused C++ step where it has one): the first step feeds what each draft has not seen yet (its last token,
-the accepted drafts, or a whole context after a preemption), the next ones each sequence's last draft.
-A sequence stops drafting at its own K or after a proposal the draft gives less than `min_confidence`.
-Rollback lowers a table's count; a sequence whose draft KV finds no free block drafts nothing that round.
+One draft step of all the sequences still drafting is ONE flat forward (engine/flat.py, on the draft's
+fused C++ step where it has one, in groups of the rows that step covers); a sequence stops drafting at
+its own K or after a proposal the draft gives less than `min_confidence`. Where the draft's KV lives:
+- spec=self (the target's own weights at fewer bits): in the target's own blocks. The draft attends over
+  the target's KV of the kept tokens and writes its drafts' past them; verification overwrites those.
+  Nothing to prefill, nothing to roll back, no memory of its own.
+- another draft model: blocks of a paged pool of its own, a table per sequence. Its first step feeds what
+  it has not seen (the last token, the accepted drafts, or the whole context after a preemption), rollback
+  lowers the table's count, and a sequence whose draft KV finds no free block drafts nothing that round.
 Drafters without a model (n-gram lookup) propose sequence by sequence through their own DraftState.
 """
 
@@ -73,43 +76,46 @@ class SequenceDrafts(LoopDrafts):
             del self.states[request]
 
 
-class DraftPool(LoopDrafts):
-    """A draft model's KV for every sequence in blocks of its own pool; one draft forward per draft step."""
+class ModelDrafts(LoopDrafts):
+    """A draft model drafting every sequence of a step: one flat forward per draft step, in groups of rows its
+    fused step covers. Where each sequence's draft KV lives is the subclass's."""
 
-    def __init__(self, drafter: ModelDrafter, num_blocks: int, block_size: int, device: torch.device) -> None:
-        self.drafter = drafter
-        config, dtype = drafter.model.config, drafter.model.rope_cos.dtype
-        self.cache = PagedKVCache.allocate(config, num_blocks, block_size, dtype, device)
-        self.blocks = BlockManager(num_blocks, block_size, compute_kv_cache_bytes(config, 1, block_size, dtype))
-        self.tables: dict[Request, BlockTable] = {}
-        self.calls = 0
+    def __init__(self, drafter: ModelDrafter, cache: PagedKVCache) -> None:
+        self.drafter, self.cache = drafter, cache
 
     def propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
         tokens: list[list[int]] = [[] for _ in wants]
         dists: list[list[Tensor]] = [[] for _ in wants]
-        feeds = {i: r.token_ids[self._table(r).num_computed :] for i, (r, k) in enumerate(wants) if k > 0}
+        feeds = {i: self._first_feed(r) for i, (r, k) in enumerate(wants) if k > 0}
         while feeds:
-            segments, drafting = [], []
-            for i, feed in feeds.items():
-                table = self._table(wants[i][0])
-                if self.blocks.ensure_room(table, table.num_computed + len(feed)):
-                    segments.append(Segment(feed, table.num_computed, table.blocks))
-                    drafting.append(i)
-            if not segments:
+            live = {i: feed for i, feed in feeds.items() if self._room(wants[i][0], feed)}
+            if not live:
                 break
-            batch = FlatBatch.pack(segments, self.cache.k.device)
-            logits = forward_flat(self.drafter.model, self.cache, batch, self.drafter.fused)  # (len(drafting), vocab)
-            self.calls += len(drafting)
-            next_feeds = {}
-            for i, row in zip(drafting, logits):
+            logits = self._forward(list(live.values()))  # (len(live), vocab)
+            self.calls += len(live)
+            feeds = {}
+            for (i, feed), row in zip(live.items(), logits):
                 request, k = wants[i]
-                self._table(request).num_computed += len(feeds[i])
+                self._fed(request, len(feed.tokens))
                 token, confidence = self._pick(request, row, dists[i])
                 tokens[i].append(token)
                 if len(tokens[i]) < k and confidence >= self.drafter.min_confidence:
-                    next_feeds[i] = [token]
-            feeds = next_feeds
+                    feeds[i] = Segment([token], feed.start + len(feed.tokens), feed.blocks)
         return [Proposal(t, torch.stack(d) if d else None) for t, d in zip(tokens, dists)]
+
+    def _forward(self, segments: list[Segment]) -> Tensor:
+        """Each segment's last logits; as few calls as the draft's fused step allows (a prompt-long segment runs
+        alone, on the Python model where the fused step does not cover it)."""
+        fused, device = self.drafter.fused, self.cache.k.device
+        limit = fused.max_rows if fused is not None else None
+        groups: list[list[Segment]] = [[]]
+        for seg in segments:
+            if groups[-1] and limit is not None and sum(len(s.tokens) for s in groups[-1]) + len(seg.tokens) > limit:
+                groups.append([])
+            groups[-1].append(seg)
+        return torch.cat(
+            [forward_flat(self.drafter.model, self.cache, FlatBatch.pack(g, device), fused) for g in groups]
+        )
 
     def _pick(self, request: Request, logits: Tensor, dists: list[Tensor]) -> tuple[int, float]:
         """The draft token from its (vocab,) logits, and the draft's probability of it; at T > 0 the
@@ -124,11 +130,65 @@ class DraftPool(LoopDrafts):
         dists.append(q)
         return token, float(q[token])
 
+    @abstractmethod
+    def _first_feed(self, request: Request) -> Segment:
+        """What the draft has not seen of the request's tokens, where it writes their KV."""
+
+    @abstractmethod
+    def _room(self, request: Request, feed: Segment) -> bool:
+        """Whether the feed's KV has room (else the request drafts no further this round)."""
+
+    @abstractmethod
+    def _fed(self, request: Request, n: int) -> None:
+        """`n` more tokens of the request's draft KV are written."""
+
+
+class TargetKVDrafts(ModelDrafts):
+    """spec=self: the target's own weights drafting over the target's KV. The draft reads the kept tokens'
+    KV as the target wrote it (nothing to prefill, nothing to roll back) and writes its drafts' past them, in
+    the room the scheduler reserved; the step's verification overwrites those rows with the target's own
+    before any attends over them (each layer writes a step's rows first), so nothing the draft wrote stays."""
+
+    def _first_feed(self, request: Request) -> Segment:
+        return Segment(request.token_ids[-1:], request.kv.num_computed, request.kv.blocks)
+
+    def _room(self, request: Request, feed: Segment) -> bool:
+        return True  # drafts end before the last reserved position: the room holds them
+
+    def _fed(self, request: Request, n: int) -> None:
+        pass
+
+    def rollback(self, request: Request, length: int) -> None:
+        pass
+
+    def retain(self, requests: Collection[Request]) -> None:
+        pass
+
+
+class DraftPool(ModelDrafts):
+    """A draft model's KV for every sequence in blocks of its own pool, a table each, rolled back by its count."""
+
+    def __init__(self, drafter: ModelDrafter, num_blocks: int, block_size: int, device: torch.device) -> None:
+        config, dtype = drafter.model.config, drafter.model.rope_cos.dtype
+        super().__init__(drafter, PagedKVCache.allocate(config, num_blocks, block_size, dtype, device))
+        self.blocks = BlockManager(num_blocks, block_size, compute_kv_cache_bytes(config, 1, block_size, dtype))
+        self.tables: dict[Request, BlockTable] = {}
+
     def _table(self, request: Request) -> BlockTable:
         table = self.tables.get(request)
         if table is None:
             table = self.tables[request] = BlockTable()
         return table
+
+    def _first_feed(self, request: Request) -> Segment:
+        table = self._table(request)
+        return Segment(request.token_ids[table.num_computed :], table.num_computed, table.blocks)
+
+    def _room(self, request: Request, feed: Segment) -> bool:
+        return self.blocks.ensure_room(self._table(request), feed.start + len(feed.tokens))
+
+    def _fed(self, request: Request, n: int) -> None:
+        self._table(request).num_computed += n
 
     def rollback(self, request: Request, length: int) -> None:
         table = self.tables.get(request)
@@ -140,8 +200,11 @@ class DraftPool(LoopDrafts):
             self.blocks.free(self.tables.pop(request))
 
 
-def loop_drafts(drafter: Drafter, num_blocks: int, block_size: int, device: torch.device) -> LoopDrafts:
-    """A draft model's pool (as many blocks as the target's), or sequence-by-sequence drafting."""
+def loop_drafts(drafter: Drafter, target_cache: PagedKVCache, device: torch.device) -> LoopDrafts:
+    """The target's KV for spec=self, a pool of its own for another draft model (as many blocks as the
+    target's), sequence-by-sequence drafting for the rest."""
+    if isinstance(drafter, ModelDrafter) and drafter.target_kv:
+        return TargetKVDrafts(drafter, target_cache)
     if isinstance(drafter, ModelDrafter):
-        return DraftPool(drafter, num_blocks, block_size, device)
+        return DraftPool(drafter, target_cache.num_blocks, target_cache.block_size, device)
     return SequenceDrafts(drafter)

@@ -158,6 +158,8 @@ class ModelDrafter(Drafter):
     name: str = "draft"
     min_confidence: float = 0.0
     fused: FusedDecode | None = None  # the draft's own fused decode step (build_fused); None: the Python model
+    # the target's own weights (spec=self): in the engine loop it drafts over the target's KV (engine/draft_pool.py)
+    target_kv: bool = False
 
     def start(self, capacity: int) -> DraftState:
         return ModelDraftState(ModelRunner(self.model, capacity, self.fused), self.min_confidence)
@@ -232,7 +234,10 @@ def build_drafter(
         )
     if name == "self":
         return ModelDrafter(
-            self_draft(target, str(spec["draft_precision"]), gguf_path), "self", float(spec["min_confidence"])
+            self_draft(target, str(spec["draft_precision"]), gguf_path),
+            "self",
+            float(spec["min_confidence"]),
+            target_kv=True,
         )
     raise ModelLoadError(f"unknown spec {name!r}: use spec=none (or off), spec=ngram, spec=draft or spec=self")
 

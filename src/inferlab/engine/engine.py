@@ -141,9 +141,8 @@ class InferenceEngine:
                 self.loop.set_speculation(self._loop_speculation(speculation) if speculation else None)
 
     def _loop_speculation(self, speculation: Speculation) -> LoopSpeculation:
-        blocks = self.blocks
-        drafts = loop_drafts(speculation.drafter, blocks.num_blocks, blocks.block_size, self.config.device)
-        return LoopSpeculation(speculation, drafts, blocks, speculation.drafter.step_cost(self.model))
+        drafts = loop_drafts(speculation.drafter, self.paged, self.config.device)
+        return LoopSpeculation(speculation, drafts, self.blocks, speculation.drafter.step_cost(self.model))
 
     @property
     def failure(self) -> str | None:
