@@ -86,7 +86,7 @@ def test_batched_speculation_gives_spec_off_greedy_tokens(tiny_tokenizer, greedy
     assert stats["spec_proposed"] > 0 and 0 < stats["spec_generated"] <= sum(len(c.token_ids) for c in completions)
     if kind != "ngram":
         assert stats["spec_accepted"] > 0
-    if kind == "copy":
+    if kind == "copy" and not adaptive:  # (adaptive: a draft as costly as the target is not used)
         assert len(steps) < 24  # several tokens per sequence per step
     full = engine.generate(prompts[0], max_new_tokens=24)
     stop = engine.tokenizer.decode(full.token_ids[5:7])
