@@ -195,3 +195,28 @@ def test_batched_speculation_samples_the_target_distribution(tiny_tokenizer, kin
         key = tuple(request.output_ids)
         counts[key] = counts.get(key, 0) + 1
     assert chi_square_pvalue(counts, exact, N_TOY) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_real_model_batched_spec_self_gives_spec_off_tokens(precision):
+    """SmolLM2, 4 chat prompts together through the engine loop, spec=self (its int4 draft over the target's
+    KV) against spec off: the same greedy tokens, the drafts mostly accepted, every block back."""
+    from inferlab.api import load_engine
+
+    engine = load_engine(precision=precision, spec="self")
+    speculation = engine.speculation
+    prompts = [
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Explain how a bicycle stays upright.",
+        "List three facts about the Moon.",
+        "What is the capital of France, and why is it famous?",
+    ]
+    ids = [engine.encode_prompt(p, chat=True) for p in prompts]
+    engine.speculation = None
+    plain = engine.generate_batch(ids, max_new_tokens=48)
+    engine.speculation = speculation
+    got = engine.generate_batch(ids, max_new_tokens=48)
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+    stats = engine.stats()
+    assert stats["spec_accepted"] > stats["spec_proposed"] / 2 and stats["requests_running"] == 0
