@@ -220,3 +220,15 @@ def test_real_model_batched_spec_self_gives_spec_off_tokens(precision):
     assert [c.token_ids for c in got] == [c.token_ids for c in plain]
     stats = engine.stats()
     assert stats["spec_accepted"] > stats["spec_proposed"] / 2 and stats["requests_running"] == 0
+
+
+def test_a_measured_draft_cost_is_what_adaptive_k_counts(tiny_tokenizer):
+    """measure_cost times both models' steps; step_cost (adaptive K's draft cost) and the startup line give it."""
+    engine = loop_engine(tiny_tokenizer, None, kv_blocks=64)
+    draft = drafter("draft", engine.model)
+    bytes_cost = draft.step_cost(engine.model)
+    draft.measure_cost(engine.model, engine.fused)
+    assert draft.measured_cost is not None and draft.measured_cost > 0
+    assert draft.step_cost(engine.model) == draft.measured_cost != bytes_cost
+    engine.speculation = Speculation(draft, 4, adaptive=True)
+    assert f"a draft step costs {draft.measured_cost:.2f} target steps" in engine.describe()

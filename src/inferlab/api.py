@@ -164,7 +164,10 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
         kernels=cfg.device.kernels,
         kv_dtype=kv_dtype,
     )
-    return InferenceEngine(loaded, config, speculation)
+    engine = InferenceEngine(loaded, config, speculation)
+    if speculation is not None:  # adaptive K counts a draft step in target steps as timed here, not as bytes
+        speculation.drafter.measure_cost(loaded.model, engine.fused)
+    return engine
 
 
 def kv_dtype_of(cache: DictConfig) -> torch.dtype | None:

@@ -9,6 +9,7 @@ resetting a length, and its own fused C++ decode step where the kernels apply), 
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,9 @@ from inferlab.model.transformer import Transformer
 from inferlab.paths import default_draft_dir
 from inferlab.quant.apply import weight_bytes
 from inferlab.quant.self_draft import self_draft
+
+MEASURE_CONTEXT = 32  # tokens before the timed steps (measure_cost)
+MEASURE_REPEATS = 8  # timed one-token steps of each model
 
 
 class ModelRunner:
@@ -105,6 +109,9 @@ class Drafter(ABC):
         """One draft step in target decode steps (engine/adaptive_k.py)."""
         return 0.0
 
+    def measure_cost(self, target: Transformer, target_fused: FusedDecode | None) -> None:
+        """Time a draft step against a target step, for `step_cost` (drafters without a model cost nothing)."""
+
 
 # ---- n-gram prompt lookup ------------------------------------------------------------------------
 
@@ -160,6 +167,7 @@ class ModelDrafter(Drafter):
     fused: FusedDecode | None = None  # the draft's own fused decode step (build_fused); None: the Python model
     # the target's own weights (spec=self): in the engine loop it drafts over the target's KV (engine/draft_pool.py)
     target_kv: bool = False
+    measured_cost: float | None = None  # measure_cost's, which step_cost then gives
 
     def start(self, capacity: int) -> DraftState:
         return ModelDraftState(ModelRunner(self.model, capacity, self.fused), self.min_confidence)
@@ -171,8 +179,27 @@ class ModelDrafter(Drafter):
         self.fused = FusedDecode.build(self.model, device, dtype, kernels)
 
     def step_cost(self, target: Transformer) -> float:
-        """Decoding reads every weight once a step: the draft's bytes over the target's."""
+        """As measured, else what decoding reads every step: the draft's bytes over the target's."""
+        if self.measured_cost is not None:
+            return self.measured_cost
         return weight_bytes(self.model) / weight_bytes(target)
+
+    @torch.inference_mode()
+    def measure_cost(self, target: Transformer, target_fused: FusedDecode | None) -> None:
+        """One-token steps of both after a short context, the fastest of MEASURE_REPEATS each (others on the
+        machine only ever slow a step down). Bytes are not the whole cost: SmolLM2's int4 self draft reads
+        0.8x an int8 target's bytes but measured 1.03x its step (AVX-512), so adaptive K decodes plainly there."""
+        best = []
+        for model, fused in ((target, target_fused), (self.model, self.fused)):
+            runner = ModelRunner(model, MEASURE_CONTEXT + MEASURE_REPEATS, fused)
+            runner.forward(list(range(MEASURE_CONTEXT)), last_only=True)
+            seconds = []
+            for _ in range(MEASURE_REPEATS):
+                start = time.perf_counter()
+                runner.forward([1], last_only=True)
+                seconds.append(time.perf_counter() - start)
+            best.append(min(seconds))
+        self.measured_cost = best[1] / best[0]
 
 
 @dataclass

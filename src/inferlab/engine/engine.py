@@ -142,7 +142,7 @@ class InferenceEngine:
 
     def _loop_speculation(self, speculation: Speculation) -> LoopSpeculation:
         drafts = loop_drafts(speculation.drafter, self.paged, self.config.device)
-        return LoopSpeculation(speculation, drafts, self.blocks, speculation.drafter.step_cost(self.model))
+        return LoopSpeculation(speculation, drafts, self.blocks, self.model)
 
     @property
     def failure(self) -> str | None:
@@ -402,6 +402,12 @@ class InferenceEngine:
             parts.append(f"{c.slots} KV slots of {c.max_seq_len} tokens ({self.kv_cache.nbytes / 2**20:.0f} MiB)")
         if self.scheduler is not None:
             parts.append(f"up to {c.scheduler.max_running} running sequences")
+        if self.speculation is not None:
+            s = self.speculation
+            parts.append(
+                f"spec={s.drafter.name} (K <= {s.k}{', adaptive' if s.adaptive else ''}; "
+                f"a draft step costs {s.drafter.step_cost(self.model):.2f} target steps)"
+            )
         return ", ".join(parts)
 
     def stats(self) -> dict[str, int]:

@@ -28,6 +28,7 @@ from inferlab.engine.sampling import probabilities
 from inferlab.engine.scheduler import ScheduledBatch
 from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.engine.speculative import SpecStats, Speculation, verify, verify_greedy
+from inferlab.model.transformer import Transformer
 
 
 @dataclass
@@ -37,7 +38,7 @@ class LoopSpeculation:
     speculation: Speculation
     drafts: LoopDrafts
     blocks: BlockManager  # the target's: verification counts kept tokens and gives rejected rows' blocks back
-    draft_cost: float  # one draft step in target steps (adaptive K)
+    target: Transformer  # what a draft step's cost is counted in (adaptive K)
     policies: dict[Request, AdaptiveK] = field(default_factory=dict)
     proposals: dict[Request, Proposal] = field(default_factory=dict)  # this step's
 
@@ -57,7 +58,8 @@ class LoopSpeculation:
             return min(self.speculation.k, room)
         policy = self.policies.get(request)
         if policy is None:
-            policy = self.policies[request] = AdaptiveK(self.speculation.k, self.draft_cost)
+            cost = self.speculation.drafter.step_cost(self.target)
+            policy = self.policies[request] = AdaptiveK(self.speculation.k, cost)
         return min(policy.next_k(), room)
 
     def verify(self, request: Request, rows: Tensor) -> list[StreamEvent]:
