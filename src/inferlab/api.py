@@ -16,6 +16,7 @@ from inferlab.engine.paged import blocks_for_budget
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.engine.speculative import build_speculation
+from inferlab.engine.threads import StepThreads
 from inferlab.errors import InvalidRequestError, ModelLoadError
 from inferlab.kernels.select import choose_isa, select_kernels
 from inferlab.model.gguf_loader import release_gguf
@@ -163,6 +164,7 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
         scheduler=SchedulerConfig(**cfg.scheduler),
         kernels=cfg.device.kernels,
         kv_dtype=kv_dtype,
+        small_steps=StepThreads(cfg.device.small_step_threads or 0, cfg.device.small_step_rows or 0),
     )
     engine = InferenceEngine(loaded, config, speculation)
     if speculation is not None:  # adaptive K counts a draft step in target steps as timed here, not as bytes

@@ -36,6 +36,7 @@ from inferlab.engine.single import CachedSequence, PagedSequence, RecomputeSeque
 from inferlab.engine.spec_batch import LoopSpeculation
 from inferlab.engine.speculative import Speculation, stream_events
 from inferlab.engine.stop import TextStream
+from inferlab.engine.threads import StepThreads
 from inferlab.errors import CapacityError, InvalidRequestError
 from inferlab.kernels.attention import decode_attention_applies
 from inferlab.kernels.fused_decode import FusedDecode
@@ -60,6 +61,7 @@ class EngineConfig:
     kernels: str  # "fast" | "portable": kernels/select.py (device.kernels)
     precision: str = ""  # the precision served and, for precision=auto, why (the startup line)
     kv_dtype: torch.dtype | None = None  # paged: the KV pool's element type; None = dtype, torch.int8 = codes + scales
+    small_steps: StepThreads = StepThreads()  # the engine loop's intra-op threads for steps of a few rows
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -123,6 +125,7 @@ class InferenceEngine:
         self._lock = threading.Lock()  # one forward at a time: the model and the KV memory have one owner
         if self.blocks is not None:
             self.loop = EngineLoop(self.model, self.paged, self.blocks, config.scheduler, self.fused, self._lock)
+            self.loop.threads = config.small_steps
         self.scheduler: Scheduler | None = self.loop.scheduler if self.loop else None
         self.speculation = speculation  # spec=ngram|draft|self: drafted and verified, in the loop where it runs
         self._request_ids = itertools.count()

@@ -25,6 +25,7 @@ from inferlab.engine.paged import PagedKVCache
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.engine.spec_batch import LoopSpeculation
+from inferlab.engine.threads import StepThreads
 from inferlab.errors import EngineFailedError, GenerationError
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer
@@ -54,6 +55,7 @@ class EngineLoop:
         self.speculation: LoopSpeculation | None = None  # drafts verified in the step's forward (set_speculation)
         self._wake = threading.Condition()  # the loop sleeps on it while there is nothing to do
         self._thread: threading.Thread | None = None
+        self.threads = StepThreads()  # fewer intra-op threads for steps of a few rows (off until set)
 
     # ---- the front door's side: any thread -------------------------------------------------------
     def add(self, request: Request, bounded: bool = True) -> None:
@@ -116,7 +118,9 @@ class EngineLoop:
         work = batch.work
         if work:
             drafts = self.speculation.propose(batch, self.scheduler.running) if self.speculation else {}
-            self._run(work, drafts)
+            rows = sum(n for _, n in work) + sum(len(d) for d in drafts.values())
+            with self.threads.step(rows):  # the forward and the sampling; a step of a few rows on fewer threads
+                self._run(work, drafts)
         return bool(work)
 
     def _run(self, work: list[tuple[Request, int]], drafts: dict[Request, list[int]]) -> None:

@@ -1,0 +1,62 @@
+"""How many intra-op threads one engine step uses: fewer for a step of a few token rows.
+
+A decode step of one or two sequences is a few hundred short parallel regions; with as many torch
+threads as cores, anything else that wakes (the HTTP event loop sending a token, a client on the same
+machine) takes a core from one of them and every region waits for the straggler. Measured with
+inferlab-serve on 2 cores at c=1: TPOT 8.5-9.4 ms on one thread vs 11-19 ms on two; at c=16 two threads
+are faster (one gives 0.84x the tok/s). So steps of at most `max_rows` rows run on `threads` threads,
+the others on all of them. Results do not change: the kernels split output features across threads,
+never a sum.
+
+The count is set for the calling thread only, in the OpenMP runtime torch loaded (`omp_set_num_threads`,
+0.3 us); `torch.set_num_threads` would also rebuild torch's thread pools and clear oneDNN's caches
+(~120 us, and the next prompt pays for the caches). Without an OpenMP runtime to call, nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
+
+
+@dataclass(frozen=True)
+class StepThreads:
+    threads: int = 0  # intra-op threads for a small step (device.small_step_threads); 0 = off
+    max_rows: int = 0  # a step of at most this many token rows is small (device.small_step_rows)
+
+    @contextmanager
+    def step(self, rows: int) -> Iterator[None]:
+        """Run the body on `threads` threads of this thread if `rows` is small, then back."""
+        full = torch.get_num_threads()
+        set_threads = omp_set_num_threads()
+        if set_threads is None or not 0 < self.threads < full or rows > self.max_rows:
+            yield
+            return
+        set_threads(self.threads)
+        try:
+            yield
+        finally:
+            set_threads(full)
+
+
+@functools.cache
+def omp_set_num_threads() -> Callable[[int], None] | None:
+    """`omp_set_num_threads` of the OpenMP runtime this process loaded for torch (Linux), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if any(name in line for name in OPENMP_RUNTIMES)}
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path).omp_set_num_threads
+        except (OSError, AttributeError):
+            continue
+    return None

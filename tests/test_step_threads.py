@@ -1,0 +1,51 @@
+"""Small engine steps run on fewer intra-op threads (this thread only), and produce the same tokens."""
+
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import tiny_engine
+
+from inferlab.engine.engine import InferenceEngine
+from inferlab.engine.threads import StepThreads, omp_set_num_threads
+
+needs_two = pytest.mark.skipif(
+    torch.get_num_threads() < 2 or omp_set_num_threads() is None, reason="needs 2+ torch threads and OpenMP"
+)
+
+
+@needs_two
+def test_a_small_step_runs_on_fewer_threads_of_this_thread_only():
+    full, seen = torch.get_num_threads(), {}
+    policy = StepThreads(threads=1, max_rows=2)
+    with policy.step(rows=2):
+        seen["small"] = torch.get_num_threads()
+        other = threading.Thread(target=lambda: seen.update(other=torch.get_num_threads()))
+        other.start()
+        other.join()
+    seen["after"] = torch.get_num_threads()
+    with policy.step(rows=3):
+        seen["large"] = torch.get_num_threads()
+    with StepThreads().step(rows=1):  # off
+        seen["off"] = torch.get_num_threads()
+    assert seen == {"small": 1, "other": full, "after": full, "large": full, "off": full}
+
+
+@needs_two
+def test_the_engine_loop_steps_a_lone_decode_on_one_thread_with_the_same_tokens(tiny_tokenizer):
+    off = tiny_engine(tiny_tokenizer, "paged")
+    on = InferenceEngine(off.loaded, replace(off.config, small_steps=StepThreads(threads=1, max_rows=2)))
+    forwards: list[tuple[int, int]] = []  # (rows, threads) of each step's forward
+
+    def hook(stage, requests):
+        if stage == "forward":
+            forwards.append((sum(r.num_uncomputed for r in requests), torch.get_num_threads()))
+
+    on.loop.fault_hook = hook
+    prompts = [list(range(5, 25)), list(range(30, 41))]
+    for prompt in prompts:
+        assert on.generate(prompt, max_new_tokens=8).token_ids == off.generate(prompt, max_new_tokens=8).token_ids
+    full = torch.get_num_threads()
+    assert {n for rows, n in forwards if rows <= 2} == {1}  # the decodes
+    assert {n for rows, n in forwards if rows > 2} == {full}  # the prompts
