@@ -54,6 +54,20 @@ def assert_close(expected: torch.Tensor, got: torch.Tensor, tol: Tolerance, what
             assert e[g.argmax()] >= e.max() - tol.tie, what
 
 
+def test_each_rows_block_table_is_its_sequences():
+    segments = [
+        Segment([1], 4, [3, 5]),
+        Segment([2, 3, 4], 0, [7]),
+        Segment([5], 20, [0, 1, 2]),
+        Segment([6, 7], 2, [9]),
+    ]
+    batch = FlatBatch.pack(segments, torch.device("cpu"))
+    expected = batch.block_tables.repeat_interleave(torch.tensor(batch.query_lens), dim=0)
+    assert torch.equal(batch.row_tables(), expected)
+    decodes = FlatBatch.pack([segments[0], segments[2]], torch.device("cpu"))
+    assert torch.equal(decodes.row_tables(), decodes.block_tables)
+
+
 class Steps:
     """Sequences of an engine's KV memory fed through flat steps, each step checked against full forwards."""
 

@@ -6,7 +6,8 @@ from conftest import tiny_engine
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from inferlab.engine.sampling import SamplingParams, probabilities, sample
+from inferlab.engine.loop import last_row_argmax
+from inferlab.engine.sampling import SamplingParams, argmax_rows, probabilities, sample
 from inferlab.engine.stop import TextStream
 from inferlab.errors import InvalidRequestError
 from inferlab.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -19,6 +20,35 @@ def params(**kw) -> SamplingParams:
 def test_greedy_is_argmax():
     logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
     assert sample(logits, params(), None) == int(torch.argmax(logits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_rows_argmax_is_torchs_and_takes_the_first_of_equal_maxima(dtype):
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[1, [7, 300]] = 50.0  # a tie: the first index wins, as torch.argmax takes it
+    logits[3] = 0.0
+    logits[4] = -torch.rand(1000, generator=torch.Generator().manual_seed(2)) - 1.0  # all negative
+    logits[4, 500] = -0.5
+    logits = torch.cat(
+        [logits, torch.tensor([[-0.0, 0.0, -1.0], [float("-inf"), -1e-30, -1e30]]).to(dtype).repeat(1, 334)[:, :1000]]
+    )
+    assert argmax_rows(logits) == logits.argmax(-1).tolist()
+    assert argmax_rows(logits)[1] == 7 and argmax_rows(logits)[3] == 0 and argmax_rows(logits)[4] == 500
+    assert argmax_rows(logits)[5:] == [0, 1]  # -0 and +0 are equal maxima; the least negative wins
+    assert argmax_rows(logits[:, ::2]) == logits[:, ::2].argmax(-1).tolist()  # a strided view too
+
+
+def test_the_loops_argmax_is_each_requests_last_row():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    counts = [1, 0, 3, 2]  # rows per request: one, none (a prompt chunk), drafts' rows...
+    assert last_row_argmax(logits, counts) == [
+        int(logits[0].argmax()),
+        None,
+        int(logits[3].argmax()),
+        int(logits[5].argmax()),
+    ]
+    assert last_row_argmax(logits[:2], [1, 1]) == logits[:2].argmax(-1).tolist()
+    assert last_row_argmax(logits[:0], [0, 0]) == [None, None]
 
 
 def test_top_k_and_top_p_keep_exactly_the_expected_tokens():

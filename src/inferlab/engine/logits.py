@@ -33,13 +33,7 @@ def process_logits(
     logits: Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], stop_ids: Collection[int]
 ) -> Tensor:
     """(vocab,) logits -> the (vocab,) logits sampling draws from, in fp32; unchanged when nothing applies."""
-    if not (
-        params.logit_bias
-        or params.min_tokens
-        or params.presence_penalty
-        or params.frequency_penalty
-        or params.repetition_penalty != 1.0
-    ):
+    if not changes_logits(params):
         return logits
     logits = logits.float().clone()
     vocab = logits.shape[-1]
@@ -62,6 +56,17 @@ def process_logits(
     if params.frequency_penalty or params.presence_penalty:
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
     return logits
+
+
+def changes_logits(params: SamplingParams) -> bool:
+    """Whether `process_logits` does anything for these params (else sampling reads the raw logits)."""
+    return bool(
+        params.logit_bias
+        or params.min_tokens
+        or params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+    )
 
 
 def log_probs(logits: Tensor) -> Tensor:

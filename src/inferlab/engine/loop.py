@@ -11,6 +11,7 @@ them (engine/spec_batch.py): several tokens per sequence per step, the same toke
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.mailbox import batched
 from inferlab.engine.paged import PagedKVCache
+from inferlab.engine.sampling import argmax_rows
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.engine.spec_batch import LoopSpeculation
@@ -131,7 +133,7 @@ class EngineLoop:
         the request that caused it fails; a request whose sampling, stop check or text fails fails alone.
         """
         try:
-            logits = self._forward(work, drafts)
+            logits, argmax = self._forward(work, drafts)
         except Exception as error:
             if len(work) == 1:
                 self._fail(work[0][0], "forward", error)
@@ -139,9 +141,9 @@ class EngineLoop:
                 for item in work:
                     self._run([item], drafts)
             return
-        for (request, n), rows in zip(work, logits):
+        for (request, n), rows, token in zip(work, logits, argmax):
             try:
-                events = self._sample(request, rows, n, request in drafts)
+                events = self._sample(request, rows, n, request in drafts, token)
             except Exception as error:
                 self._fail(request, "sample", error)
                 continue
@@ -150,17 +152,21 @@ class EngineLoop:
             for event in events:
                 deliver(request, event)
 
-    def _forward(self, work: list[tuple[Request, int]], drafts: dict[Request, list[int]]) -> list[Tensor]:
-        """The step's one forward: each request's logits rows (n_logits, vocab), as `segment` asks."""
+    def _forward(
+        self, work: list[tuple[Request, int]], drafts: dict[Request, list[int]]
+    ) -> tuple[list[Tensor], list[int | None]]:
+        """The step's one forward: each request's logits rows (n_logits, vocab), as `segment` asks, and the
+        argmax of its last row (None without rows), taken for every request in one call."""
         if self.fault_hook is not None:
             self.fault_hook("forward", [r for r, _ in work])
         segments = [segment(r, n, drafts.get(r, [])) for r, n in work]
         logits = forward_flat(self.model, self.cache, FlatBatch.pack(segments, self.cache.k.device), self.fused)
-        return list(logits.split([s.n_logits for s in segments]))
+        counts = [s.n_logits for s in segments]
+        return list(logits.split(counts)), last_row_argmax(logits, counts)
 
-    def _sample(self, request: Request, rows: Tensor, n: int, drafted: bool) -> list[StreamEvent]:
+    def _sample(self, request: Request, rows: Tensor, n: int, drafted: bool, argmax: int | None) -> list[StreamEvent]:
         """Record the `n` computed tokens; the events of the next token once the prompt is all in (of the
-        tokens its drafts' verification keeps, for a `drafted` decode)."""
+        tokens its drafts' verification keeps, for a `drafted` decode); `argmax` is its last row's."""
         if request.records_prompt_logits:
             request.record_prompt_logits(request.kv.num_computed, rows)
         if not drafted:
@@ -171,7 +177,7 @@ class EngineLoop:
             self.fault_hook("sample", [request])
         if drafted and self.speculation is not None:
             return self.speculation.verify(request, rows)
-        return request.sample(rows[-1])
+        return request.sample(rows[-1], argmax)
 
     def _fail(self, request: Request, stage: str, error: Exception) -> None:
         log.error("request %d failed in its %s; the others continue", request.request_id, stage, exc_info=error)
@@ -193,6 +199,14 @@ def segment(request: Request, n: int, drafts: list[int]) -> Segment:
     start = request.kv.num_computed
     n_logits = n if request.records_prompt_logits else int(start + n == request.num_tokens) + len(drafts)
     return Segment(request.token_ids[start : start + n] + drafts, start, request.kv.blocks, n_logits)
+
+
+def last_row_argmax(logits: Tensor, counts: list[int]) -> list[int | None]:
+    """The argmax of each request's last row of `logits` (None for a request with no rows, `counts` of them each)."""
+    ends = itertools.accumulate(counts)
+    lasts = [end - 1 for end, count in zip(ends, counts) if count]
+    picks = iter(argmax_rows(logits if len(lasts) == logits.shape[0] else logits[lasts]))
+    return [next(picks) if count else None for count in counts]
 
 
 def deliver(request: Request, item: StreamEvent | BaseException) -> None:

@@ -115,8 +115,26 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+def argmax_rows(logits: Tensor) -> list[int]:
+    """Each row's argmax of (R, vocab) logits, the first of equal maxima as torch.argmax takes it.
+
+    numpy's on the CPU: over a row of SmolLM2's 49k fp32 logits its vectorized argmax takes ~3 us where torch's
+    takes ~42, and torch's opens a parallel region from a few rows on (on a busy 2-core machine such a region
+    waited up to ~16 ms for the other core, measured). numpy has no bf16: bf16 logits are compared as their
+    int16 bits (sign and magnitude), a negative's magnitude bits flipped and 1 added so that the integers order
+    as the numbers do, -0 equal to +0 (~100 us for 8 rows).
+    """
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+        return logits.argmax(-1).tolist()
+    if logits.dtype == torch.float32:
+        return logits.numpy().argmax(-1).tolist()
+    bits = logits.view(torch.int16).numpy()
+    sign = bits >> 15  # -1 for a negative number, else 0
+    return ((bits ^ (sign & 0x7FFF)) - sign).argmax(-1).tolist()
+
+
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from (vocab,) logits."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return argmax_rows(logits[None])[0]
     return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.block_manager import BlockTable
-from inferlab.engine.logits import TokenLogprob, log_probs, process_logits, token_logprob
+from inferlab.engine.logits import TokenLogprob, changes_logits, log_probs, process_logits, token_logprob
 from inferlab.engine.sampling import SamplingParams, sample
 from inferlab.engine.stop import TextStream
 
@@ -108,13 +108,19 @@ class Request:
                 entry = token_logprob(log_probs(logits[i]), self.prompt_ids[target], self.params.prompt_logprobs)
                 self.prompt_logprobs.append(entry)
 
-    def sample(self, logits: Tensor) -> list[StreamEvent]:
+    def sample(self, logits: Tensor, argmax: int | None = None) -> list[StreamEvent]:
         """The next token from the last position's (vocab,) logits, through this request's own history and
-        generator, accepted; a request that generates nothing (max_new_tokens=0, echo only) just closes."""
+        generator, accepted; a request that generates nothing (max_new_tokens=0, echo only) just closes.
+
+        `argmax` is the logits' argmax where the caller took every request's at once (the engine loop): a
+        greedy request whose history changes nothing takes it as its token."""
         if self.max_new_tokens == 0:
             return [self._close("length")]
-        processed = process_logits(logits, self.params, self.prompt_ids, self.output_ids, self.eos_ids)
-        token = sample(processed, self.params, self.generator)
+        if argmax is not None and self.params.greedy and not changes_logits(self.params):
+            token = argmax
+        else:
+            processed = process_logits(logits, self.params, self.prompt_ids, self.output_ids, self.eos_ids)
+            token = sample(processed, self.params, self.generator)
         top = self.params.logprobs
         return self.accept(token, token_logprob(log_probs(logits), token, top) if top is not None else None)
 
