@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -89,3 +90,5 @@ def batched() -> Iterator[None]:
                 box.wake()
             except RuntimeError:  # that loop is gone; its requests are cancelled at their next post
                 pass
+        if boxes:  # let a woken event loop take the GIL now, not after this thread's next switch interval
+            time.sleep(0)
