@@ -3,6 +3,7 @@
 import asyncio
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -300,6 +301,21 @@ def test_the_engine_loop_never_leaks_and_gives_single_request_tokens(
     engine = paged_engine(
         tiny_tokenizer, kv_blocks, block_size=4, prefix=prefix, max_running=max_running, max_batched_tokens=budget
     )
+
+    def step(requests: list[Request]) -> None:
+        engine.loop.step()
+        check_invariants(engine.scheduler)
+
+    requests = run_operations(engine, ops, step)
+    assert not engine.scheduler.has_work()
+    event(f"preempted: {engine.scheduler.preemptions > 0}")
+    assert engine.blocks.num_free == kv_blocks and not any(engine.blocks.ref_counts)
+    assert_single_request_tokens(requests, greedy_reference)
+
+
+def run_operations(engine, ops, step: Callable[[list[Request]], None]) -> list[Request]:
+    """Apply `operations()` (arrivals, cancels, steps) to `engine`, then step until no work is left; `step(requests)`
+    runs one engine step and checks what it must. Returns the requests admitted."""
     requests: list[Request] = []
     for op in ops:
         if op[0] == "arrive":
@@ -317,20 +333,19 @@ def test_the_engine_loop_never_leaks_and_gives_single_request_tokens(
             engine.scheduler.cancel(requests[op[1] % len(requests)])
         elif op[0] == "step":
             for _ in range(op[1]):
-                engine.loop.step()
-                check_invariants(engine.scheduler)
+                step(requests)
     for _ in range(10_000):
         if not engine.scheduler.has_work():
             break
-        engine.loop.step()
-        check_invariants(engine.scheduler)
-    assert not engine.scheduler.has_work()
-    event(f"preempted: {engine.scheduler.preemptions > 0}")
-    assert engine.blocks.num_free == kv_blocks and not any(engine.blocks.ref_counts)
+        step(requests)
+    return requests
+
+
+def assert_single_request_tokens(requests: list[Request], greedy_reference) -> None:
+    """Every finished request has its single-request greedy tokens; every other one was cancelled."""
     for request in requests:
         if request.finished:
-            expected = greedy_reference(tuple(request.prompt_ids), request.max_new_tokens)
-            assert request.output_ids == expected
+            assert request.output_ids == greedy_reference(tuple(request.prompt_ids), request.max_new_tokens)
         else:
             assert request.cancelled
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_engine
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_scheduler import PREFIXES, check_invariants, operations
+from test_scheduler import assert_single_request_tokens, check_invariants, operations, run_operations
 from test_spec import TOY_PROMPT, chi_square_pvalue, exact_sequence_probs, perturbed, toy_model
 
 from inferlab.engine.drafters import Drafter, ModelDrafter, NgramDrafter
@@ -20,7 +20,6 @@ from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.sequence import Request
 from inferlab.engine.speculative import Speculation
-from inferlab.errors import CapacityError, OverloadedError
 from inferlab.model.loader import LoadedModel
 from inferlab.model.transformer import Transformer
 from inferlab.quant.self_draft import self_draft
@@ -121,34 +120,13 @@ def test_speculating_loop_never_leaks_and_gives_single_request_tokens(
         tiny_tokenizer, None, kv_blocks, prefix=prefix, max_running=max_running, max_batched_tokens=budget
     )
     engine.speculation = Speculation(drafter(kind, engine.model), k, adaptive)
-    requests: list[Request] = []
 
-    def step() -> None:
+    def step(requests: list[Request]) -> None:
         engine.loop.step()
         check_invariants(engine.scheduler)
         assert all(not r.kv.blocks or r in engine.scheduler.running for r in requests)
 
-    for op in ops:
-        if op[0] == "arrive":
-            _, which, suffix, max_new, priority = op
-            prompt = PREFIXES[which] + [(len(requests) * 7 + j) % 40 + 10 for j in range(suffix)]
-            request = engine._new_request(
-                prompt, SamplingParams(max_new_tokens=max_new), lambda e: None, priority=priority
-            )
-            try:
-                engine.scheduler.add(request)
-            except (CapacityError, OverloadedError):
-                continue
-            requests.append(request)
-        elif op[0] == "cancel" and requests:
-            engine.scheduler.cancel(requests[op[1] % len(requests)])
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                step()
-    for _ in range(10_000):
-        if not engine.scheduler.has_work():
-            break
-        step()
+    requests = run_operations(engine, ops, step)
     assert not engine.scheduler.has_work()
     event(f"preempted: {engine.scheduler.preemptions > 0}")
     event(f"accepted: {engine.stats()['spec_accepted'] > 0}")
@@ -157,11 +135,7 @@ def test_speculating_loop_never_leaks_and_gives_single_request_tokens(
     drafts.retain([])
     if hasattr(drafts, "blocks"):
         assert drafts.blocks.num_free == drafts.blocks.num_blocks and not any(drafts.blocks.ref_counts)
-    for request in requests:
-        if request.finished:
-            assert request.output_ids == greedy_reference(tuple(request.prompt_ids), request.max_new_tokens)
-        else:
-            assert request.cancelled
+    assert_single_request_tokens(requests, greedy_reference)
 
 
 N_TOY = 800

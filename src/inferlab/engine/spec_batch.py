@@ -24,10 +24,9 @@ from inferlab.engine.adaptive_k import AdaptiveK
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.draft_pool import LoopDrafts
 from inferlab.engine.drafters import Proposal
-from inferlab.engine.sampling import probabilities
 from inferlab.engine.scheduler import ScheduledBatch
 from inferlab.engine.sequence import Request, StreamEvent
-from inferlab.engine.speculative import SpecStats, Speculation, verify, verify_greedy
+from inferlab.engine.speculative import SpecStats, Speculation, verify_proposal
 from inferlab.model.transformer import Transformer
 
 
@@ -70,10 +69,7 @@ class LoopSpeculation:
         if not drafts:  # exactly plain decoding
             n, events = 0, request.sample(rows[-1])
         else:
-            if request.params.greedy:
-                n, last = verify_greedy(rows, drafts)
-            else:
-                n, last = verify(probabilities(rows, request.params), drafts, proposal.probs, request.generator)
+            n, last = verify_proposal(rows, proposal, request.params, request.generator)
             events = []
             for token in [*drafts[:n], last]:
                 events += request.accept(token)

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.adaptive_k import AdaptiveK
-from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, ModelRunner, build_drafter
-from inferlab.engine.sampling import SamplingParams, probabilities
+from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, ModelRunner, Proposal, build_drafter
+from inferlab.engine.sampling import SamplingParams, argmax_rows, probabilities
 from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer
@@ -119,11 +119,21 @@ def verify(p: Tensor, drafts: list[int], q: Tensor | None, generator: torch.Gene
 
 def verify_greedy(target_logits: Tensor, drafts: list[int]) -> tuple[int, int]:
     """Temperature 0: keep drafts while they equal the target's argmax, then emit the target's own choice."""
-    choice = torch.argmax(target_logits, dim=-1).tolist()  # (k+1,)
+    choice = argmax_rows(target_logits)  # (k+1,)
     n = 0
     while n < len(drafts) and drafts[n] == choice[n]:
         n += 1
     return n, choice[n]
+
+
+def verify_proposal(
+    logits: Tensor, proposal: Proposal, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """The target's (k+1, vocab) logits against a proposal: (drafts accepted, the token that ends the round),
+    greedy at temperature 0, else rejection-sampled."""
+    if params.greedy:
+        return verify_greedy(logits, proposal.tokens)
+    return verify(probabilities(logits, params), proposal.tokens, proposal.probs, generator)
 
 
 # ---- one sequence --------------------------------------------------------------------------------
@@ -165,10 +175,7 @@ class SpecSession:
         # (k+1, vocab): the rows of the last token and the drafts, each as the one-token step would compute it
         logits = first[None] if first is not None else self.sequence.verify_rows(context[self.cached :] + drafts)
         self.first_logits = None
-        if self.params.greedy:
-            n, last = verify_greedy(logits, drafts)
-        else:
-            n, last = verify(probabilities(logits, self.params), drafts, proposal.probs, self.generator)
+        n, last = verify_proposal(logits, proposal, self.params, self.generator)
         emitted = drafts[:n] + [last]
         if self.policy is not None and drafts:
             self.policy.observe(len(drafts), n)
