@@ -23,7 +23,7 @@ Codes = tuple[Tensor, Tensor, Tensor]  # codes uint8 (N, K), scales fp32 (N, G),
 
 
 def q4_1_codes(blocks: np.ndarray) -> Codes:
-    """blocks: uint8 (N, G * 20), one row per output channel, as GGUFReader exposes a Q4_1 tensor."""
+    """blocks: uint8 (N, G * 20), one row per output channel, as the file holds a Q4_1 tensor (model/gguf_loader.py)."""
     n = blocks.shape[0]
     b = np.ascontiguousarray(blocks).reshape(-1, 20)  # (N * G, 20)
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # (N * G, 1)
@@ -52,7 +52,7 @@ def read_q4_1_linears(path: Path, config: ModelConfig) -> dict[str, Callable[[],
 
     reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
-    arch = reader.fields["general.architecture"].contents()
+    arch = reader.fields["general.architecture"]
 
     def is_q4_1(name: str) -> bool:
         return tensors[name + ".weight"].tensor_type == GGMLQuantizationType.Q4_1
