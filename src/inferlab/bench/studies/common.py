@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import logging
+import multiprocessing
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from types import ModuleType
 
 import torch
@@ -13,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from inferlab.bench.prompts import make_prompts
-from inferlab.bench.studies import StudyUnavailable
+from inferlab.bench.studies import Rows, Study, StudyUnavailable
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.single import Sequence
 from inferlab.kernels.build import use_isa
@@ -23,6 +26,18 @@ def prompt_ids(cfg: DictConfig, engine: InferenceEngine, n_tokens: int, seed: in
     """One prompt of exactly `n_tokens` ids from the job's load dataset (another `seed`, another prompt)."""
     load = {**OmegaConf.to_container(cfg.load, resolve=True), "num_requests": 1, "prompt_tokens": n_tokens}
     return make_prompts(engine.tokenizer, load, seed=(cfg.seed or 0) + seed)[0].token_ids
+
+
+def in_fresh_process(study: Study, cfg: DictConfig) -> Rows:
+    """`study(cfg)` in a newly spawned Python process, for a study that measures its own process's memory: a
+    multirun's jobs share one process (Hydra's basic launcher), where every earlier job's memory would count."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_log_to_stderr) as pool:
+        return pool.submit(study, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))).result()
+
+
+def _log_to_stderr() -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
 
 
 def sync(device: torch.device) -> None:

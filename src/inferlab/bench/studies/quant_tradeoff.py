@@ -1,6 +1,7 @@
 """quant_tradeoff: for this job's precision, weight MB, resident memory (peak while loading, after loading, after
 generating), generation tokens/s per batch size
-and strided-window perplexity on held-out Shakespeare."""
+and strided-window perplexity on held-out Shakespeare. Each job measures in a process of its own, so a multirun's
+memory columns are each precision's alone."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from inferlab.api import engine_from_config
 from inferlab.bench.perplexity import evaluate_perplexity
 from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, register
-from inferlab.bench.studies.common import median_of, prompt_ids
+from inferlab.bench.studies.common import in_fresh_process, median_of, prompt_ids
 from inferlab.engine.engine import InferenceEngine
 from inferlab.quant.apply import weight_bytes
 from inferlab.train.corpus import load_tokens
@@ -21,6 +22,10 @@ from inferlab.train.corpus import load_tokens
 
 @register("quant_tradeoff")
 def run(cfg: DictConfig) -> Rows:
+    return in_fresh_process(measure, cfg)
+
+
+def measure(cfg: DictConfig) -> Rows:
     engine = engine_from_config(cfg)
     m = cfg.measure
     ids = prompt_ids(cfg, engine, int(m.prompt_tokens))
