@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inferlab.engine.adaptive_k import BACKOFF, AdaptiveK, best_k
+from inferlab.engine.adaptive_k import BACKOFF, AdaptiveK, StepCost, best_k
 
 
 def brute_force_k(acceptance: float, draft_cost: float, max_k: int) -> int:
@@ -52,3 +52,44 @@ def test_observe_counts_accepted_and_one_rejection():
     policy.observe(4, 1)  # one success, one failure; the two after the rejection were never judged
     high = 1 - 0.5 * 0.9**5
     assert policy.acceptance == pytest.approx(high * 0.9)
+
+
+def test_step_cost_fits_seconds_per_step_and_per_row():
+    cost = StepCost()
+    assert cost.fit() == (0.0, 0.0) and cost.row_cost(8) == 0.0  # nothing seen: rows are free
+    for rows in [8, 16, 56, 8, 24, 40] * 3:
+        cost.observe(rows, 0.010 + 0.001 * rows)
+    a, b = cost.fit()
+    assert a == pytest.approx(0.010) and b == pytest.approx(0.001)
+    assert cost.row_cost(1) == pytest.approx(0.001 / 0.011)  # one sequence: a draft row costs a tenth of a step
+    assert cost.row_cost(8) == pytest.approx(0.001 / (0.018 / 8))  # eight: 0.44 of a sequence's share
+
+
+def test_step_cost_without_varied_rows_charges_nothing_per_row():
+    cost = StepCost()
+    for _ in range(10):
+        cost.observe(8, 0.02)
+    assert cost.fit() == (pytest.approx(0.02), 0.0) and cost.row_cost(8) == 0.0
+
+
+def test_step_cost_follows_the_recent_steps():
+    cost = StepCost()
+    for rows in [1, 7] * 50:
+        cost.observe(rows, 0.010)  # verification as cheap as a decode step
+    for rows in [8, 56] * 50:
+        cost.observe(rows, 0.002 * rows)  # then under load: every row costs
+    assert cost.fit()[1] == pytest.approx(0.002, rel=0.05)
+
+
+@pytest.mark.parametrize("decodes, expected", [(1, 3), (8, 0)])
+def test_k_given_measured_row_costs(decodes, expected):
+    """A self draft accepted 88% at a quarter of a target step, on steps of 8 ms plus 2 ms a row: one sequence still
+    gains from rounds of 3 (4 rows: 16 ms for 3.3 tokens on average, against 10 ms a token plain); at c=8 a draft
+    row costs 2/3 of a sequence's share of the step (24 ms / 8) and the sequence decodes plainly."""
+    cost = StepCost()
+    for rows in [1, 7, 8, 56, 16, 24]:
+        cost.observe(rows, 0.008 + 0.002 * rows)
+    row_cost = cost.row_cost(decodes)
+    assert row_cost == pytest.approx(0.002 / ((0.008 + 0.002 * decodes) / decodes))
+    assert AdaptiveK(max_k=6, draft_cost=0.25, acceptance=0.88).next_k(row_cost) == expected
+    assert brute_force_k(0.88, 0.25 + row_cost, 6) == expected

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -121,8 +122,11 @@ class EngineLoop:
         if work:
             drafts = self.speculation.propose(batch, self.scheduler.running) if self.speculation else {}
             rows = sum(n for _, n in work) + sum(len(d) for d in drafts.values())
+            start = time.perf_counter()
             with self.threads.step(rows):  # the forward and the sampling; a step of a few rows on fewer threads
                 self._run(work, drafts)
+            if self.speculation and len(work) == len(batch.decodes):  # decodes alone: what adaptive K weighs
+                self.speculation.step_cost.observe(rows, time.perf_counter() - start)
         return bool(work)
 
     def _run(self, work: list[tuple[Request, int]], drafts: dict[Request, list[int]]) -> None:

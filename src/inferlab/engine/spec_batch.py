@@ -2,7 +2,8 @@
 verifies them all.
 
 The scheduler gives each decode room for up to spec.k draft tokens past its next one (engine/scheduler.py);
-here each sequence picks its K within that room (engine/adaptive_k.py: from its own acceptance so far) and
+here each sequence picks its K within that room (engine/adaptive_k.py: from its own acceptance so far, and from
+what a verified row costs in the loop's steps, timed by the loop: StepCost) and
 the drafter proposes (engine/draft_pool.py: one draft forward per draft step for all the sequences). The
 sequence's segment of the step is then its last token and its drafts, every row's logits wanted: K+1
 next-token distributions. Each sequence is rejection-sampled on its own with the acceptance rule of
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from inferlab.engine.adaptive_k import AdaptiveK
+from inferlab.engine.adaptive_k import AdaptiveK, StepCost
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.draft_pool import LoopDrafts
 from inferlab.engine.drafters import Proposal
@@ -40,26 +41,28 @@ class LoopSpeculation:
     target: Transformer  # what a draft step's cost is counted in (adaptive K)
     policies: dict[Request, AdaptiveK] = field(default_factory=dict)
     proposals: dict[Request, Proposal] = field(default_factory=dict)  # this step's
+    step_cost: StepCost = field(default_factory=StepCost)  # the loop's decode steps, timed (EngineLoop.step)
 
     def propose(self, batch: ScheduledBatch, running: Collection[Request]) -> dict[Request, list[int]]:
         """Each decode of `batch` with room for drafts: its drafts (possibly none) for this step's forward."""
         self.drafts.retain(running)
         for request in [r for r in self.policies if r not in running]:
             del self.policies[request]
-        wants = [(r, self._k(r, room)) for r, room in zip(batch.decodes, batch.lookahead) if room]
+        row_cost = self.step_cost.row_cost(len(batch.decodes))
+        wants = [(r, self._k(r, room, row_cost)) for r, room in zip(batch.decodes, batch.lookahead) if room]
         calls = self.drafts.calls
         self.proposals = dict(zip((r for r, _ in wants), self.drafts.propose(wants)))
         self.speculation.totals.draft_calls += self.drafts.calls - calls
         return {r: p.tokens for r, p in self.proposals.items()}
 
-    def _k(self, request: Request, room: int) -> int:
+    def _k(self, request: Request, room: int, row_cost: float) -> int:
         if not self.speculation.adaptive:
             return min(self.speculation.k, room)
         policy = self.policies.get(request)
         if policy is None:
             cost = self.speculation.drafter.step_cost(self.target)
             policy = self.policies[request] = AdaptiveK(self.speculation.k, cost)
-        return min(policy.next_k(), room)
+        return min(policy.next_k(row_cost), room)
 
     def verify(self, request: Request, rows: Tensor) -> list[StreamEvent]:
         """The step's (1 + k, vocab) logits of a drafted decode -> its kept tokens' events."""
