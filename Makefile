@@ -50,7 +50,7 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 # The CPU-sized studies (sweeps/*.yaml), then the report from every result under outputs/ (< 30 min on 2 cores).
-REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving
+REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving serving_spec
 VLLM_PYTHON ?=
 report: setup
 	@set -- $(REPORT_SWEEPS); total=$$#; i=0; start=$$(date +%s); \

@@ -195,3 +195,34 @@ def test_serving_drives_every_server_over_every_level_in_one_job(tmp_path: Path)
             assert row["speedup_vs_c1"] == pytest.approx(row["output_throughput"] / levels[0]["output_throughput"])
     log = next(path for path in tmp_path.rglob("inferlab.log"))
     assert "precision int4 (auto: the GGUF's Q4_1)" in log.read_text()  # inferlab-serve ran its defaults
+
+
+@pytest.mark.slow
+def test_serving_spec_drives_spec_off_and_self_at_one_precision_in_one_job(tmp_path: Path):
+    variants = "[['precision=fp32','spec=off'],['precision=fp32','spec=self']]"
+    result = one_ok_result(
+        tmp_path,
+        "study=serving_spec",
+        "size=smoke",
+        f"study.inferlab_variants={variants}",
+        "study.levels=[1,2]",
+        "load.num_requests=2",
+    )
+    rows = result["rows"]
+    servers = [f"inferlab precision=fp32 spec={spec}" for spec in ("off", "self")]
+    assert [(row["server"], row["concurrency"]) for row in rows] == [(s, c) for s in servers for c in (1, 2)]
+    for row in rows:
+        assert row["failed"] == 0 and row["output_throughput"] > 0 and row["median_ttft_ms"] > 0
+        assert row["output_tokens_per_request"] == rows[0]["output_tokens_per_request"] > 0  # whole answers, both
+    logs = {
+        spec: (result_dir(tmp_path) / f"inferlab_precision=fp32_spec={spec}.log").read_text()
+        for spec in ("off", "self")
+    }
+    assert (
+        "spec=self (K <= " in logs["self"] and "spec=" not in logs["off"].split("precision fp32", 1)[1].split("\n")[0]
+    )
+
+
+def result_dir(tmp_path: Path) -> Path:
+    (path,) = tmp_path.rglob("result.json")
+    return path.parent

@@ -35,12 +35,19 @@ class ServerSpec:
         port = free_port(HOST)
         argv = [a.format(host=HOST, port=port) for a in self.argv]
         return LaunchedServer(
-            argv, HOST, port, startup_timeout_s, log_dir / f"{self.name}.log", self.env, self.health_path
+            argv,
+            HOST,
+            port,
+            startup_timeout_s,
+            log_dir / f"{self.name.replace(' ', '_')}.log",
+            self.env,
+            self.health_path,
         )
 
 
 def inferlab_server(model: str, overrides: list[str]) -> ServerSpec:
-    """inferlab-serve with its defaults (precision, cache, scheduler) for `model`, plus `overrides`."""
+    """inferlab-serve with its defaults (precision, cache, scheduler) for `model`, plus `overrides` (which name
+    the server beside others with other overrides: "inferlab precision=bf16 spec=self")."""
     argv = [
         sys.executable,
         "-m",
@@ -51,7 +58,8 @@ def inferlab_server(model: str, overrides: list[str]) -> ServerSpec:
         "server.host={host}",
         "server.port={port}",
     ]
-    return ServerSpec("inferlab", argv, "defaults (precision=auto)")
+    name = " ".join(["inferlab", *overrides])
+    return ServerSpec(name, argv, " ".join(overrides) or "defaults (precision=auto)")
 
 
 def llama_cpp_server(gguf: Path, threads: int, n_ctx: int) -> ServerSpec:

@@ -1,6 +1,7 @@
 """serving: output tokens/s, TTFT and TPOT of inferlab-serve, llama.cpp's server and vLLM's, side by side.
 
-Every server is started once on its own loopback port, on the same weights (the job's GGUF), and the same
+inferlab-serve runs once per `study.inferlab_variants` entry (overrides; the serving_spec study: spec off and
+spec=self at the same precision). Every server is started once on its own loopback port, on the same weights (the job's GGUF), and the same
 load generator drives each in turn with the same prompts, the others paused (SIGSTOP) meanwhile: in each round, for each concurrency level, every
 server gets one closed-loop streaming load of max(load.num_requests, c) requests (the server order
 rotates between rounds). Each figure is the median over the rounds. A peer that is not installed (or, for
@@ -36,7 +37,7 @@ METRICS = (
 )
 
 
-@register("serving")
+@register("serving", "serving_spec")
 def run(cfg: DictConfig) -> Rows:
     study, load = cfg.study, OmegaConf.to_container(cfg.load, resolve=True)
     model = OmegaConf.to_container(cfg.model, resolve=True)
@@ -103,20 +104,22 @@ def server_specs(cfg: DictConfig, model_name: str, gguf: Path | None) -> tuple[l
     """The servers this checkout can launch, and a row for each one it cannot (with the reason)."""
     study, threads = cfg.study, torch.get_num_threads()
     makers = {
-        "inferlab": lambda: inferlab_server(model_name, list(study.inferlab_overrides)),
-        "llama.cpp": lambda: llama_cpp_server(needs_gguf(gguf, "llama.cpp"), threads, int(study.max_model_len)),
-        "vllm": lambda: vllm_server(
-            needs_vllm_python(study.vllm_python),
-            needs_gguf(gguf, "vLLM"),
-            threads,
-            int(study.vllm_kv_cache_gib),
-            int(study.max_model_len),
-        ),
+        "inferlab": lambda: [inferlab_server(model_name, list(overrides)) for overrides in study.inferlab_variants],
+        "llama.cpp": lambda: [llama_cpp_server(needs_gguf(gguf, "llama.cpp"), threads, int(study.max_model_len))],
+        "vllm": lambda: [
+            vllm_server(
+                needs_vllm_python(study.vllm_python),
+                needs_gguf(gguf, "vLLM"),
+                threads,
+                int(study.vllm_kv_cache_gib),
+                int(study.max_model_len),
+            )
+        ],
     }
     specs, rows = [], []
     for name in study.servers:
         try:
-            specs.append(makers[name]())
+            specs += makers[name]()
         except StudyUnavailable as e:
             rows.append({"server": name, "output_throughput": None, "note": str(e)})
     return specs, rows
