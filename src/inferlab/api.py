@@ -22,6 +22,7 @@ from inferlab.kernels.select import choose_isa, select_kernels
 from inferlab.model.gguf_loader import release_gguf
 from inferlab.model.loader import load_model
 from inferlab.model.native_format import native_precision
+from inferlab.native_memory import return_freed_memory
 from inferlab.paths import conf_dir
 from inferlab.quant import quantize_model
 from inferlab.quant.gguf_q4 import Q4_1_GROUP
@@ -135,8 +136,9 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
         OmegaConf.to_container(cfg.spec, resolve=True), cfg.model.name, loaded.model, dtype, device, loaded.gguf_path
     )
     drafts = speculation.drafter.models() if speculation else []
+    release_gguf()  # before the kernels' copies (huge pages, dense copies), so those never coexist with it
     select_kernels(nn.ModuleList([loaded.model, *drafts]), device, dtype, cfg.device.kernels, cfg.device.dense_copy_mb)
-    release_gguf()
+    return_freed_memory()  # what loading freed (the GGUF's metadata, the float weights quantized away)
     defaults = SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,

@@ -19,6 +19,8 @@ import sys
 import torch
 from torch import Tensor, nn
 
+from inferlab.native_memory import return_freed_memory
+
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 MIN_BYTES = 1 << 16  # norms and biases stay put: a few KiB each, read from cache
@@ -79,13 +81,5 @@ def move_weights_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> 
                 if tensor is not None and tensor.data_ptr() in moved:
                     table[name] = moved[tensor.data_ptr()]
     tensors.clear()
-    _return_freed_memory()
+    return_freed_memory()  # the old copies were a few MiB each, inside malloc's heap
     return total
-
-
-def _return_freed_memory() -> None:
-    """The old copies were a few MiB each, inside malloc's heap, which keeps freed memory resident until
-    trimmed (measured: +240 MiB of RSS for fp32 SmolLM2 without this)."""
-    libc = ctypes.CDLL(None)
-    if hasattr(libc, "malloc_trim"):  # glibc
-        libc.malloc_trim(0)

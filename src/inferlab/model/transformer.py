@@ -243,7 +243,13 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        # nn.Embedding's own init (normal_) and arange have their meta-device kernels in Python: the first call
+        # imports torch's references and sympy (~70 MiB resident for the rest of the process), and a loader's
+        # meta model (model/loader.py) needs no values at all
+        embedding = torch.empty(config.vocab_size, config.dim)
+        if not embedding.is_meta:
+            nn.init.normal_(embedding)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=embedding)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
@@ -261,7 +267,10 @@ class Transformer(nn.Module):
         tables = {"rope": False, "rope_local": True} if self.config.rope_local_theta else {"rope": False}
         weight = self.tok_embeddings.weight
         for name, local in tables.items():
-            cos, sin = rope_tables(self.config, weight.device, local)
+            if weight.is_meta:  # shapes only: torch's meta-device arange is Python (see __init__), and pointless here
+                cos = sin = torch.empty(self.config.max_seq_len, self.config.rotary_dim, device="meta")
+            else:
+                cos, sin = rope_tables(self.config, weight.device, local)
             self.register_buffer(f"{name}_cos", cos.to(weight.dtype), persistent=False)
             self.register_buffer(f"{name}_sin", sin.to(weight.dtype), persistent=False)
 

@@ -110,7 +110,10 @@ def quantize_model(
     )
 
     report = QuantReport(mode, group_size, bytes_before=weight_bytes(model))
-    for name, linear in linears.items():
+    # each float layer goes as soon as its quantized one is in (popped, not kept to the end), and the head first:
+    # a tied embedding's float matrix (SmolLM2: 49152 x 576) then never coexists with the quantized decoder
+    for name in sorted(linears, key=lambda n: n != HEAD):
+        linear = linears.pop(name)
         if name == HEAD or mode == "int8":
             new: nn.Module = Int8Linear(linear, use_kernel=use_kernel)
         else:
