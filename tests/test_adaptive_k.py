@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inferlab.engine.adaptive_k import BACKOFF, AdaptiveK, StepCost, best_k
+from inferlab.engine.adaptive_k import BACKOFF, AdaptiveK, DraftCost, StepCost, best_k, draft_token_cost
 
 
 def brute_force_k(acceptance: float, draft_cost: float, max_k: int) -> int:
@@ -56,20 +56,18 @@ def test_observe_counts_accepted_and_one_rejection():
 
 def test_step_cost_fits_seconds_per_step_and_per_row():
     cost = StepCost()
-    assert cost.fit() == (0.0, 0.0) and cost.row_cost(8) == 0.0  # nothing seen: rows are free
+    assert cost.fit() == (0.0, 0.0)
     for rows in [8, 16, 56, 8, 24, 40] * 3:
         cost.observe(rows, 0.010 + 0.001 * rows)
     a, b = cost.fit()
     assert a == pytest.approx(0.010) and b == pytest.approx(0.001)
-    assert cost.row_cost(1) == pytest.approx(0.001 / 0.011)  # one sequence: a draft row costs a tenth of a step
-    assert cost.row_cost(8) == pytest.approx(0.001 / (0.018 / 8))  # eight: 0.44 of a sequence's share
 
 
 def test_step_cost_without_varied_rows_charges_nothing_per_row():
     cost = StepCost()
     for _ in range(10):
         cost.observe(8, 0.02)
-    assert cost.fit() == (pytest.approx(0.02), 0.0) and cost.row_cost(8) == 0.0
+    assert cost.fit() == (pytest.approx(0.02), 0.0)
 
 
 def test_step_cost_follows_the_recent_steps():
@@ -81,15 +79,28 @@ def test_step_cost_follows_the_recent_steps():
     assert cost.fit()[1] == pytest.approx(0.002, rel=0.05)
 
 
-@pytest.mark.parametrize("decodes, expected", [(1, 3), (8, 0)])
-def test_k_given_measured_row_costs(decodes, expected):
-    """A self draft accepted 88% at a quarter of a target step, on steps of 8 ms plus 2 ms a row: one sequence still
-    gains from rounds of 3 (4 rows: 16 ms for 3.3 tokens on average, against 10 ms a token plain); at c=8 a draft
-    row costs 2/3 of a sequence's share of the step (24 ms / 8) and the sequence decodes plainly."""
-    cost = StepCost()
+def test_a_draft_token_costs_its_drafting_and_its_row_over_the_sequences_share_of_a_step():
+    step, draft = StepCost(), DraftCost()
+    assert draft_token_cost(step, draft, 1) is None  # nothing timed: the drafter's bytes ratio serves
+    for rows in [1, 7, 8, 56]:
+        step.observe(rows, 0.008 + 0.002 * rows)
+    draft.observe(10, 0.010)
+    draft.observe(30, 0.030)  # a millisecond per drafted token
+    assert draft.per_token() == pytest.approx(0.001)
+    assert draft_token_cost(step, draft, 1) == pytest.approx((0.002 + 0.001) / 0.010)
+    assert draft_token_cost(step, draft, 8) == pytest.approx((0.002 + 0.001) / (0.024 / 8))
+
+
+@pytest.mark.parametrize("decodes, expected", [(1, 4), (8, 0)])
+def test_k_given_measured_costs(decodes, expected):
+    """A self draft accepted 88%, on steps of 8 ms plus 2 ms a row and a millisecond of drafting per token: one
+    sequence gains from rounds of 4 (a draft token at 0.3 of its 10 ms step); at c=8 a draft token costs as much
+    as the sequence's share of the step (3 ms of 24 / 8) and the sequence decodes plainly."""
+    step, draft = StepCost(), DraftCost()
     for rows in [1, 7, 8, 56, 16, 24]:
-        cost.observe(rows, 0.008 + 0.002 * rows)
-    row_cost = cost.row_cost(decodes)
-    assert row_cost == pytest.approx(0.002 / ((0.008 + 0.002 * decodes) / decodes))
-    assert AdaptiveK(max_k=6, draft_cost=0.25, acceptance=0.88).next_k(row_cost) == expected
-    assert brute_force_k(0.88, 0.25 + row_cost, 6) == expected
+        step.observe(rows, 0.008 + 0.002 * rows)
+    draft.observe(8, 0.008)
+    cost = draft_token_cost(step, draft, decodes)
+    policy = AdaptiveK(max_k=6, draft_cost=0.25, acceptance=0.88)
+    assert policy.next_k(cost) == expected == brute_force_k(0.88, cost, 6)
+    assert AdaptiveK(max_k=6, draft_cost=0.25, acceptance=0.88).next_k() == brute_force_k(0.88, 0.25, 6) > 0

@@ -9,11 +9,12 @@ per sequence: text the draft knows well gets long rounds, text it does not gets 
 
 In the engine loop a verification is rows of a batched step, and there each row costs: at c=8 the step's
 8 x (k + 1) rows take several one-row steps' time (the lm_head and attention per row, the kernel's rows per
-pass). StepCost fits the loop's own step times as seconds = a + b * rows, and each draft then also costs
-`row_cost` = b over the sequence's share of a plain step, (a + b * B) / B for B decodes: near 0 for one
-sequence, large under load, where speculation then falls back to plain decoding.
+pass), and so do the draft's rows. The loop times both: StepCost fits its decode steps as seconds = a + b * rows,
+DraftCost its drafting per drafted token; one draft token then costs (b + drafting) over the sequence's share of
+a plain step, (a + b * B) / B for B decodes (draft_token_cost): small for one sequence, large under load, where
+speculation then falls back to plain decoding.
 
-When even k = 1 costs more than it brings (a < draft_cost + row_cost), the sequence decodes plainly for BACKOFF
+When even k = 1 costs more than it brings (a < the draft token's cost), the sequence decodes plainly for BACKOFF
 tokens, then probes with one round of at least one draft: speculation resumes where it pays again.
 The choice only ever depends on past rounds, so it keeps speculative sampling exact.
 """
@@ -37,13 +38,13 @@ class AdaptiveK:
     plain_left: int = field(default=0, init=False)  # plain steps before the next probe
     probing: bool = field(default=False, init=False)
 
-    def next_k(self, row_cost: float = 0.0) -> int:
-        """This round's K; `row_cost`: one more verified row, in units of this sequence's plain step (StepCost)."""
+    def next_k(self, token_cost: float | None = None) -> int:
+        """This round's K; `token_cost`: a draft token's cost as measured (draft_token_cost), else `draft_cost`."""
         if self.plain_left:
             self.plain_left -= 1
             self.probing = not self.plain_left
             return 0
-        k = best_k(self.acceptance, self.draft_cost + row_cost, self.max_k)
+        k = best_k(self.acceptance, self.draft_cost if token_cost is None else token_cost, self.max_k)
         if k or self.probing:
             self.probing = False
             return max(k, min(1, self.max_k))
@@ -94,8 +95,26 @@ class StepCost:
         b = max(0.0, (rt / w - mean_r * mean_t) / variance) if variance >= MIN_ROWS_VARIANCE else 0.0
         return max(0.0, mean_t - b * mean_r), b
 
-    def row_cost(self, decodes: int) -> float:
-        """One more row in a step of `decodes` one-token decodes, over one decode's share of that step."""
-        a, b = self.fit()
-        share = (a + b * decodes) / max(decodes, 1)
-        return b / share if share > 0 else 0.0
+
+@dataclass
+class DraftCost:
+    """Seconds of drafting per drafted token (a draft step's rows, its catching up on accepted tokens), over the
+    recent steps (each weighted DECAY^age)."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.seconds, self.tokens = DECAY * self.seconds + seconds, DECAY * self.tokens + tokens
+
+    def per_token(self) -> float | None:
+        return self.seconds / self.tokens if self.tokens else None
+
+
+def draft_token_cost(step: StepCost, draft: DraftCost, decodes: int) -> float | None:
+    """One more draft token of a sequence (its drafting and its verified row), over the sequence's share of a plain
+    step of `decodes` decodes; None until the loop has timed both."""
+    a, b = step.fit()
+    share = (a + b * decodes) / max(decodes, 1)
+    drafting = draft.per_token()
+    return (b + drafting) / share if drafting is not None and share > 0 else None

@@ -3,7 +3,7 @@ verifies them all.
 
 The scheduler gives each decode room for up to spec.k draft tokens past its next one (engine/scheduler.py);
 here each sequence picks its K within that room (engine/adaptive_k.py: from its own acceptance so far, and from
-what a verified row costs in the loop's steps, timed by the loop: StepCost) and
+what a draft token costs in this loop: its drafting and its verified row, both timed) and
 the drafter proposes (engine/draft_pool.py: one draft forward per draft step for all the sequences). The
 sequence's segment of the step is then its last token and its drafts, every row's logits wanted: K+1
 next-token distributions. Each sequence is rejection-sampled on its own with the acceptance rule of
@@ -16,12 +16,13 @@ own `accept`, which ends it at EOS, a stop string or max_tokens wherever that fa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from inferlab.engine.adaptive_k import AdaptiveK, StepCost
+from inferlab.engine.adaptive_k import AdaptiveK, DraftCost, StepCost, draft_token_cost
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.draft_pool import LoopDrafts
 from inferlab.engine.drafters import Proposal
@@ -42,27 +43,32 @@ class LoopSpeculation:
     policies: dict[Request, AdaptiveK] = field(default_factory=dict)
     proposals: dict[Request, Proposal] = field(default_factory=dict)  # this step's
     step_cost: StepCost = field(default_factory=StepCost)  # the loop's decode steps, timed (EngineLoop.step)
+    draft_cost: DraftCost = field(default_factory=DraftCost)  # the drafting, timed here
 
     def propose(self, batch: ScheduledBatch, running: Collection[Request]) -> dict[Request, list[int]]:
         """Each decode of `batch` with room for drafts: its drafts (possibly none) for this step's forward."""
         self.drafts.retain(running)
         for request in [r for r in self.policies if r not in running]:
             del self.policies[request]
-        row_cost = self.step_cost.row_cost(len(batch.decodes))
-        wants = [(r, self._k(r, room, row_cost)) for r, room in zip(batch.decodes, batch.lookahead) if room]
-        calls = self.drafts.calls
-        self.proposals = dict(zip((r for r, _ in wants), self.drafts.propose(wants)))
+        token_cost = draft_token_cost(self.step_cost, self.draft_cost, len(batch.decodes))
+        wants = [(r, self._k(r, room, token_cost)) for r, room in zip(batch.decodes, batch.lookahead) if room]
+        calls, start = self.drafts.calls, time.perf_counter()
+        proposals = self.drafts.propose(wants)
+        drafted = sum(len(p.tokens) for p in proposals)
+        if drafted:
+            self.draft_cost.observe(drafted, time.perf_counter() - start)
+        self.proposals = dict(zip((r for r, _ in wants), proposals))
         self.speculation.totals.draft_calls += self.drafts.calls - calls
         return {r: p.tokens for r, p in self.proposals.items()}
 
-    def _k(self, request: Request, room: int, row_cost: float) -> int:
+    def _k(self, request: Request, room: int, token_cost: float | None) -> int:
         if not self.speculation.adaptive:
             return min(self.speculation.k, room)
         policy = self.policies.get(request)
         if policy is None:
             cost = self.speculation.drafter.step_cost(self.target)
             policy = self.policies[request] = AdaptiveK(self.speculation.k, cost)
-        return min(policy.next_k(row_cost), room)
+        return min(policy.next_k(token_cost), room)
 
     def verify(self, request: Request, rows: Tensor) -> list[StreamEvent]:
         """The step's (1 + k, vocab) logits of a drafted decode -> its kept tokens' events."""
