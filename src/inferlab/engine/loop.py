@@ -11,10 +11,12 @@ them (engine/spec_batch.py): several tokens per sequence per step, the same toke
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -39,6 +41,17 @@ log = logging.getLogger(__name__)
 # raising an Exception fails that work, raising a BaseException (SystemExit) stops the engine loop.
 FaultHook = Callable[[str, "list[Request]"], None]
 
+_LOOPS: weakref.WeakSet[EngineLoop] = weakref.WeakSet()  # the loops whose thread has started
+
+
+@atexit.register
+def _stop_loops() -> None:
+    """At interpreter exit, before finalization: a daemon loop thread still inside a torch op (GIL released) when
+    finalization starts is ended by pthread_exit as it retakes the GIL, through C++ frames that may not unwind,
+    and the process aborts ("terminate called without an active exception", exit status 134)."""
+    for loop in list(_LOOPS):
+        loop.stop()
+
 
 class EngineLoop:
     def __init__(
@@ -58,6 +71,7 @@ class EngineLoop:
         self.speculation: LoopSpeculation | None = None  # drafts verified in the step's forward (set_speculation)
         self._wake = threading.Condition()  # the loop sleeps on it while there is nothing to do
         self._thread: threading.Thread | None = None
+        self._stopping = False  # stop(): the loop returns after its current step
         self.threads = StepThreads()  # fewer intra-op threads for steps of a few rows (off until set)
 
     # ---- the front door's side: any thread -------------------------------------------------------
@@ -72,6 +86,7 @@ class EngineLoop:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run_loop, name="inferlab-engine", daemon=True)
                 self._thread.start()
+                _LOOPS.add(self)
             self._wake.notify()
 
     def cancel(self, request: Request) -> None:
@@ -80,6 +95,15 @@ class EngineLoop:
             self.scheduler.cancel(request)
             with self._wake:
                 self._wake.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the loop after its current step and wait (up to `timeout` s) for its thread; requests still
+        queued never run. For the process's exit (_stop_loops)."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def set_speculation(self, speculation: LoopSpeculation | None) -> None:
         """Draft and verify inside the loop (None: plain decoding). Call it holding `lock`."""
@@ -95,7 +119,9 @@ class EngineLoop:
         try:
             while True:
                 with self._wake:
-                    self._wake.wait_for(self.scheduler.has_work)
+                    self._wake.wait_for(lambda: self._stopping or self.scheduler.has_work())
+                    if self._stopping:
+                        return
                 with self.lock, batched():  # a step's events reach each event loop in one wakeup
                     try:
                         progressed = self.step()
