@@ -8,10 +8,9 @@
 // int8 rows stream ~2x faster with them). Many activation rows make it a GEMM: each thread goes over
 // tiles of its weight rows small enough to stay in L2 and, per tile, over all activation rows a few at
 // a time, so a weight row comes from memory once and from cache for every further chunk of rows.
-// fp32 weights are fused-multiply-added; bf16 weights are widened to fp32 (AVX2) or dotted in pairs
-// by the CPU's bf16 instruction (AVX-512); int8 and int4 weights meet int16 activation codes in exact
-// integer multiply-adds (one instruction per 2 * kLanes weights), int4 with a float scale and min per
-// group as GGUF's Q4_1 defines them. Every (weight row, activation row) product is summed in the same
+// fp32 weights are fused-multiply-added, bf16 weights too once widened to fp32 (a shift or a mask);
+// int8 and int4 weights meet int16 activation codes in exact integer multiply-adds (one instruction per
+// 2 * kLanes weights), int4 with a float scale and min per group as GGUF's Q4_1 defines them. Every (weight row, activation row) product is summed in the same
 // order whatever else is in the call, so a row's result does not depend on how many rows came with it
 // (a 1-row decode and a K+1-row speculative verification agree to the bit). Rows are split across
 // torch's intra-op threads. Written once over the SIMD layer (simd.h) and compiled per instruction set.
@@ -143,7 +142,9 @@ struct DenseFormat {
 
 // fp32 weights: kStep of them fused-multiply-added per step, kLanes at a time
 struct Fp32Step {
-  static constexpr int kTileRows = 4, kRows = kLanes == 16 ? 4 : 2, kChunk = 4;
+  // one activation row: one weight row at a time, as one stream (fp32 and bf16 alike: 4 rows in flight
+  // per thread streamed SmolLM2's matrices 1.3-1.8x slower here, on one thread and on two)
+  static constexpr int kTileRows = 1, kRows = kLanes == 16 ? 4 : 2, kChunk = 4;
   static constexpr bool kExact = false;
   static constexpr int64_t kWidth = kStep, kXPerWeight = 1;
   using W = float;
@@ -161,63 +162,39 @@ struct Fp32Step {
   }
 };
 
-#ifdef INFERLAB_AVX512
-// bf16 weights in pairs, dotted with bf16 activation pairs into fp32 by vdpbf16ps (AVX512_BF16), 32
-// weights an instruction. The activations stay fp32-accurate: each is split into x = hi + lo, both bf16
-// (|x - hi - lo| <= 2^-17 |x|), and the weights meet both, so each step is two dots. Each step's 32
-// activations are stored as their 32 hi values, then their 32 lo values.
+// bf16 weights widened to fp32 and fused-multiply-added with the fp32 activations, 2 * kLanes weights a
+// step: bf16 is the high half of an fp32, so a 32-bit lane holding weights 2i and 2i+1 gives weight 2i
+// shifted up and weight 2i+1 masked, and each step's activations are stored evens first, then odds. Every
+// product is exact and each sum rounds once, in fp32 (the bf16 dot instruction of AVX-512 would need the
+// activations split into two bf16 halves to stay that close, and measured here its dots of one weight row
+// streamed ~1.3x slower than these FMAs).
 struct Bf16Step {
-  static constexpr int kTileRows = 4, kRows = 4, kChunk = 4;
+  static constexpr int kTileRows = 1, kRows = kLanes == 16 ? 4 : 2, kChunk = 4;  // kTileRows: as fp32's
   static constexpr bool kExact = false;
-  static constexpr int64_t kWidth = 2 * kStep, kXPerWeight = 2;
-  using W = at::BFloat16;
-  using X = at::BFloat16;
-  using Acc = __m512;
-  static Acc zero() { return _mm512_setzero_ps(); }
-  static Acc dots(__m512i w, const X* x, Acc acc) {
-    acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x)), reinterpret_cast<__m512bh>(w));
-    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + kWidth)), reinterpret_cast<__m512bh>(w));
-  }
-  static Acc step(const W* w, const X* x, Acc acc) { return dots(_mm512_loadu_si512(w), x, acc); }
-  static Acc tail(const W* w, const X* x, Acc acc) { return dots(_mm512_maskz_loadu_epi16(0xFFFF, w), x, acc); }
-  static float total(Acc acc) { return _mm512_reduce_add_ps(acc); }
-  static float prepare(const float* x, int64_t K, X* out) {
-    const int64_t padded = round_up(K, kWidth);
-    std::fill(out, out + 2 * padded, at::BFloat16(0.0f));
-    for (int64_t k = 0; k < K; ++k) {
-      X* block = out + k / kWidth * 2 * kWidth + k % kWidth;
-      block[0] = at::BFloat16(x[k]);  // rounded to nearest even
-      block[kWidth] = at::BFloat16(x[k] - static_cast<float>(block[0]));
-    }
-    return 1.0f;
-  }
-};
-#else
-// bf16 is the high half of an fp32: a 32-bit lane holding weights 2i and 2i+1 gives weight 2i shifted
-// up and weight 2i+1 masked, so the activations of each step are stored evens first, then odds.
-struct Bf16Step {
-  static constexpr int kTileRows = 4, kRows = 2, kChunk = 4;
-  static constexpr bool kExact = false;
-  static constexpr int64_t kWidth = kStep, kXPerWeight = 1;
+  static constexpr int64_t kWidth = 2 * kLanes, kXPerWeight = 1;
   using W = at::BFloat16;
   using X = float;
-  using Acc = __m256;
-  static Acc zero() { return _mm256_setzero_ps(); }
-  static Acc step(const W* w, const X* x, Acc acc) {
-    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-    const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(0xFFFF0000)));
-    acc = _mm256_fmadd_ps(even, _mm256_loadu_ps(x), acc);
-    return _mm256_fmadd_ps(odd, _mm256_loadu_ps(x + 8), acc);
+  using Acc = Wide::V;
+  static Acc zero() { return Wide::zero(); }
+  // The AVX-512 build adds each pair's odd product first, as the bf16 dot instruction it once ran does, so
+  // activations that are bf16 themselves (the Python model's bf16 layers call this kernel) sum as they did
+  static constexpr bool kOddFirst = kLanes == 16;
+  static Acc dots(Wide::I pairs, const X* x, Acc acc) {
+    const Wide::V even = Wide::even_bf16(pairs), odd = Wide::odd_bf16(pairs);
+    if constexpr (kOddFirst) {
+      return Wide::fmadd(even, Wide::load(x), Wide::fmadd(odd, Wide::load(x + kLanes), acc));
+    }
+    return Wide::fmadd(odd, Wide::load(x + kLanes), Wide::fmadd(even, Wide::load(x), acc));
   }
-  static float total(Acc acc) { return Narrow::sum(acc); }
-  static float prepare(const float* x, int64_t K, X* out) {
+  static Acc step(const W* w, const X* x, Acc acc) { return dots(Wide::load_pairs(w), x, acc); }
+  static Acc tail(const W* w, const X* x, Acc acc) { return dots(Wide::load_pairs_half(w), x, acc); }
+  static float total(Acc acc) { return Wide::sum(acc); }
+  static float prepare(const float* x, int64_t K, X* out) {  // out: zeros, round_up(K, kWidth) of them
     std::copy(x, x + K, out);
-    deinterleave(out, K, kStep);
+    deinterleave(out, round_up(K, kWidth), kWidth);
     return 1.0f;
   }
 };
-#endif
 
 // int8 weights times int16 activation codes, summed exactly in int32 (madd, or VNNI's dpwssd), one
 // instruction per 16 weights. 256-bit steps on every build: 512-bit ones (32 bytes widened a step) decoded

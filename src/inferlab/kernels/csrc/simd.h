@@ -90,6 +90,13 @@ struct Lanes<8> {
   static I low_nibbles(I bytes) { return _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)); }  // of int16 lanes 0..255
   static I high_nibbles(I bytes) { return _mm256_srli_epi16(bytes, 4); }
   static V per_block(const float* values) { return _mm256_set1_ps(values[0]); }  // values[j] in 8-lane block j
+  // 2N bf16 as N 32-bit lanes of pairs; their even-indexed and odd-indexed values as fp32 (bf16 is an fp32's high half)
+  static I load_pairs(const at::BFloat16* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I load_pairs_half(const at::BFloat16* p) {  // N bf16, the rest 0
+    return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static V even_bf16(I pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+  static V odd_bf16(I pairs) { return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(0xFFFF0000))); }
 };
 
 #ifdef INFERLAB_AVX512
@@ -140,6 +147,10 @@ struct Lanes<16> {
     const __m512d low = _mm512_castps_pd(_mm512_set1_ps(values[0]));
     return _mm512_castpd_ps(_mm512_insertf64x4(low, _mm256_castps_pd(_mm256_set1_ps(values[1])), 1));
   }
+  static I load_pairs(const at::BFloat16* p) { return _mm512_loadu_si512(p); }
+  static I load_pairs_half(const at::BFloat16* p) { return _mm512_maskz_loadu_epi16(0xFFFF, p); }  // N bf16, the rest 0
+  static V even_bf16(I pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+  static V odd_bf16(I pairs) { return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000))); }
 };
 #else
 constexpr int kLanes = 8;
