@@ -72,14 +72,6 @@ def tiny_tokenizer() -> Tokenizer:
     return Tokenizer(backend=backend, bos_id=None, eos_ids={eos}, chat_template=template, special_ids={eos})
 
 
-def int4_activation_code_error(x: torch.Tensor, scaled_codes: torch.Tensor) -> float:
-    """Bound on what the int4 kernel's activation codes change in its product with weights q * scale + min: the
-    inputs are rounded to int8 per 32 (x / d, d = max|x| / 127 there) by up to d / 2 each, for the q * scale
-    part only (the min part meets the exact sums of x). x (..., K), scaled_codes = q * scale (N, K)."""
-    half_steps = x.double().unflatten(-1, (-1, 32)).abs().amax(-1) / 2 / 127  # (..., K / 32)
-    return (half_steps @ scaled_codes.double().abs().unflatten(-1, (-1, 32)).sum(-1).T).max().item()
-
-
 def tiny_config(**overrides) -> ModelConfig:
     values = dict(
         vocab_size=257,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import int4_activation_code_error, tiny_model
+from conftest import tiny_model
 from gguf import GGMLQuantizationType, quants
 from torch import nn
 
@@ -96,12 +96,9 @@ def test_int4_kernel_matches_reference_in_bf16(group_size, bias):
     fast, ref = Int4GroupLinear(linear, group_size), Int4GroupLinear(linear, group_size, use_kernel=False)
     assert fast.layout == int4_layout(torch.device("cpu"), torch.bfloat16, 96, 256) and ref.layout == "rows"
     assert fast.weight.nbytes == ref.weight.nbytes == 96 * 256 // 2
-    q = unpack_nibbles(ref.weight).float().unflatten(1, (-1, group_size))
-    scaled_codes = (q * ref.scales[..., None]).flatten(1)  # the kernel rounds the activations meeting these
     for shape in ((2, 3, 256), (1, 1, 256), (1, 4, 256)):  # a prompt, and decode steps of 1 and 4 rows
         x = torch.randn(shape, dtype=torch.bfloat16)
-        atol = 3e-2 + int4_activation_code_error(x, scaled_codes)
-        torch.testing.assert_close(fast(x).float(), ref(x).float(), atol=atol, rtol=3e-2)
+        torch.testing.assert_close(fast(x).float(), ref(x).float(), atol=3e-2, rtol=3e-2)
         assert cosine(ref(x), linear(x)) > 0.98
 
 
@@ -111,9 +108,7 @@ def test_int4_fp32_decodes_through_the_row_layout():
     fast, ref = Int4GroupLinear(linear, 32), Int4GroupLinear(linear, 32, use_kernel=False)
     assert fast.layout == ref.layout == "rows"
     x = torch.randn(1, 1, 64)
-    scaled_codes = (unpack_nibbles(ref.weight).float().unflatten(1, (-1, 32)) * ref.scales[..., None]).flatten(1)
-    atol = 1e-4 + int4_activation_code_error(x, scaled_codes)  # the kernel's int8 activation codes per 32 inputs
-    torch.testing.assert_close(fast(x), ref(x), atol=atol, rtol=1e-4)
+    torch.testing.assert_close(fast(x), ref(x), atol=1e-4, rtol=1e-4)
 
 
 def test_gguf_q4_1_blocks_decode_exactly():
@@ -177,11 +172,7 @@ def test_quantized_model_kernel_matches_reference(mode):
     fast, ref = tiny_model().to(torch.bfloat16), tiny_model().to(torch.bfloat16)
     quantize_model(fast, mode, group_size=32)
     quantize_model(ref, mode, group_size=32, use_kernel=False)
-    got, want = logits(fast), logits(ref)
-    if mode == "int8":
-        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
-    else:  # int4's activation codes, int8 per 32 inputs: 1 - cosine at 4x bf16's (tests/test_fused_decode.py)
-        assert F.cosine_similarity(got, want, dim=-1).min() >= 1 - 4e-3
+    torch.testing.assert_close(logits(fast), logits(ref), atol=5e-2, rtol=5e-2)
 
 
 def test_quantize_model_errors_leave_model_untouched():

@@ -37,14 +37,12 @@ def projection_parts(linear: nn.Module) -> list[Tensor] | None:
 
 
 def many_rows_limit(model: Transformer) -> int:
-    """FUSED_MAX_ROWS, or GEMV_MAX_ROWS where the layers' int8 projections hold dense copies for many rows
-    (oneDNN's bf16 GEMM over them is faster; the LM head runs on a step's logit rows only, a few). int4 layers
-    hold none: the kernel's int4 GEMM (csrc/gemv.h) outruns that GEMM over dequantized copies, so every int4
-    step runs fused. Measured on SmolLM2 (AVX-512, one thread, batch-1
-    prompts of 128 / 512 tokens), the fused step against the Python model: bf16 weights
+    """FUSED_MAX_ROWS, or GEMV_MAX_ROWS where quantized layers hold dense copies for many rows (oneDNN's bf16 GEMM
+    over them is faster). Measured on SmolLM2 (AVX-512, one thread, batch-1 prompts of 128 / 512 tokens), the
+    fused step against the Python model: int4 (dense bf16 copies) 247 vs 615 and 216 vs 541 tok/s. bf16 weights
     stay on the fused step though oneDNN is faster there too (361 vs 584, 307 vs 545): its fp32 activations keep
     mixed steps within the real-model tolerance, the bf16 Python model does not; fp32 354 vs 330, 318 vs 321."""
-    for linear in model.layers.modules():
+    for linear in model.modules():
         if isinstance(linear, DenseCopyLayer) and linear.dense is not None:
             return GEMV_MAX_ROWS
     return FUSED_MAX_ROWS
