@@ -99,7 +99,7 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
         "size=smoke",
         "model=smollm2-135m",
         "precision=int8",
-        "measure.repeats=2",
+        "measure.repeats=1",
         "study.prefill_tokens=[32]",
     )
     inferlab = [row for row in result["rows"] if row["engine"] == "inferlab"]
