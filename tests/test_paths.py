@@ -1,9 +1,11 @@
 """Where inferlab finds conf/ and keeps its cache (paths.py), run from the repository."""
 
+import shutil
 import sys
 from pathlib import Path
 
 from inferlab.api import compose
+from inferlab.kernels import build
 from inferlab.kernels.build import kernels_build_dir
 from inferlab.kernels.isa import ISAS
 from inferlab.paths import cache_dir, conf_dir, source_tree, sweeps_dir
@@ -28,3 +30,13 @@ def test_the_cache_is_the_users_unless_inferlab_cache_says(monkeypatch, tmp_path
     assert cache_dir() == tmp_path / "mine"
     assert kernels_build_dir(ISAS["avx2"]).parents[1] == tmp_path / "mine" / "kernels"
     assert compose(overrides=["model=scratch"]).model.path == str(tmp_path / "mine" / "models" / "scratch")
+
+
+def test_two_checkouts_of_the_same_kernel_sources_build_apart(monkeypatch, tmp_path):
+    # torch's ninja file names the sources by path: a build dir shared by two places would be rebuilt by each in turn
+    here = kernels_build_dir(ISAS["avx2"])
+    copy = tmp_path / "elsewhere" / "csrc"
+    shutil.copytree(build.CSRC, copy)
+    monkeypatch.setattr(build, "CSRC", copy)
+    assert kernels_build_dir(ISAS["avx2"]) != here
+    assert kernels_build_dir(ISAS["avx2"]).parent.parent == here.parent.parent

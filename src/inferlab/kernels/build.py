@@ -85,9 +85,11 @@ def load_isa(name: str) -> bool:
 
 
 def kernels_build_dir(isa: Isa) -> Path:
-    """Where a build is cached: per instruction set, torch version, compiler flags and content of csrc/, so
-    checkouts and versions that share the user cache dir never load each other's build."""
-    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    """Where a build is cached: per instruction set, torch version, compiler flags, and the place and content
+    of csrc/, so checkouts and versions that share the user cache dir never load each other's build. The
+    place counts because torch's ninja file names the sources by path: two checkouts of the same sources
+    sharing one build dir would each find the other's build stale and rebuild it on every first use."""
+    digest = hashlib.sha256(" ".join(CFLAGS).encode() + b"\0" + str(CSRC.resolve()).encode())
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return cache_dir() / "kernels" / f"torch-{torch.__version__}-{digest.hexdigest()[:12]}" / isa.name
