@@ -17,6 +17,7 @@ from conftest import tiny_model
 from inferlab.bench.studies.profile import phase_weight_bytes
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.kernels.isa import supported_isas
+from inferlab.paths import cache_dir
 from inferlab.quant.apply import module_bytes, weight_bytes
 from inferlab.report.build import build
 
@@ -157,7 +158,11 @@ def test_threads_measures_one_thread_and_all_of_them_side_by_side(tmp_path: Path
 
 @pytest.mark.slow
 def test_spec_decode_runs_every_drafter_beside_spec_off_in_one_job(tmp_path: Path, monkeypatch):
+    kernels = cache_dir() / "kernels"  # the user's: the job loads the kernels this checkout built, no second build
+    kernels.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("INFERLAB_CACHE", str(tmp_path / "cache"))  # no trained draft here: its row says why
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").symlink_to(kernels, target_is_directory=True)
     result = one_ok_result(tmp_path, "study=spec_decode", "size=smoke", "spec=self")
     rows = result["rows"]
     (draft,) = [row for row in rows if row["spec"] == "draft"]
