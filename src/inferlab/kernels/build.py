@@ -85,11 +85,12 @@ def load_isa(name: str) -> bool:
 
 
 def kernels_build_dir(isa: Isa) -> Path:
-    """Where a build is cached: per instruction set, torch version, compiler flags, and the place and content
-    of csrc/, so checkouts and versions that share the user cache dir never load each other's build. The
-    place counts because torch's ninja file names the sources by path: two checkouts of the same sources
-    sharing one build dir would each find the other's build stale and rebuild it on every first use."""
-    digest = hashlib.sha256(" ".join(CFLAGS).encode() + b"\0" + str(CSRC.resolve()).encode())
+    """Where a build is cached: per instruction set, torch version, compiler flags, the content of csrc/ and
+    the paths torch's ninja file names (the sources', torch's headers': the same venv reached through a link
+    is another path), so checkouts and versions that share the user cache dir never load each other's build
+    nor, finding each other's build stale, rebuild it in turn on every first use."""
+    paths = (str(CSRC.resolve()), str(Path(torch.__file__).parent))
+    digest = hashlib.sha256("\0".join((*CFLAGS, *paths)).encode())
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return cache_dir() / "kernels" / f"torch-{torch.__version__}-{digest.hexdigest()[:12]}" / isa.name
