@@ -198,6 +198,10 @@ def test_serving_drives_every_server_over_every_level_in_one_job(tmp_path: Path)
             # unless told not to), so c=4 measures as many tokens per request as c=1
             assert row["output_tokens_per_request"] == levels[0]["output_tokens_per_request"] > 0
             assert row["speedup_vs_c1"] == pytest.approx(row["output_throughput"] / levels[0]["output_throughput"])
+    for row in (row for row in measured if row["server"] == "inferlab"):  # its engine's own step profile of the load
+        assert row["steps_per_s"] > 0 and row["decode_rows_per_step"] > 0 and row["prompt_rows_per_step"] > 0
+        assert 0 < row["forward_ms"] <= row["step_ms"] and row["attention_ms"] <= row["forward_ms"]
+        assert 0 < row["engine_ttft_ms"] and 0 < row["event_loop_cpu_pct"] < row["process_cpu_pct"]
     log = next(path for path in tmp_path.rglob("inferlab.log"))
     assert "precision int4 (auto: the GGUF's Q4_1)" in log.read_text()  # inferlab-serve ran its defaults
 

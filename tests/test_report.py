@@ -199,3 +199,19 @@ def test_notebook_reads_the_committed_csv_on_a_fresh_clone(tmp_path: Path, monke
     images = notebook_images(outputs, monkeypatch, timeout=300)
     studies = pd.read_csv(COMMITTED_CSV).query("status == 'ok'").study.nunique()
     assert len(images) == studies
+
+
+def test_a_study_shows_its_further_tables_for_the_rows_that_have_their_values(tmp_path: Path):
+    root = tmp_path / "outputs"
+    profile = {"steps_per_s": 12.5, "step_ms": 80.0, "forward_ms": 70.0}
+    rows = [
+        {"server": "inferlab", "concurrency": 1, "output_throughput": 90.0, **profile},
+        {"server": "llama.cpp", "concurrency": 1, "output_throughput": 40.0},
+    ]
+    write(root, "serving/0", "serving", [], rows)
+    report_file = tmp_path / "REPORT.md"
+    build(root, tmp_path / "outputs" / "report", report_file)
+    serving = report_file.read_text().split("## Serving under concurrency")[1].split("\n## ")[0]
+    main, profile_table = serving.split("![")[0].split("Where inferlab-serve's time went")
+    assert "| llama.cpp | 40 " in main and "| inferlab  | 90 " in main
+    assert "| 12.5 " in profile_table and "| 80 " in profile_table and "llama.cpp" not in profile_table

@@ -30,6 +30,7 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     health_path: str = "/health"
     model: str | None = None  # the request's `model` field, for servers that check it
+    profiled: bool = False  # it exports the engine's step counters (inferlab-serve: bench/engine_profile.py)
 
     def launch(self, startup_timeout_s: float, log_dir: Path) -> LaunchedServer:
         port = free_port(HOST)
@@ -59,7 +60,7 @@ def inferlab_server(model: str, overrides: list[str]) -> ServerSpec:
         "server.port={port}",
     ]
     name = " ".join(["inferlab", *overrides])
-    return ServerSpec(name, argv, " ".join(overrides) or "defaults (precision=auto)")
+    return ServerSpec(name, argv, " ".join(overrides) or "defaults (precision=auto)", profiled=True)
 
 
 def llama_cpp_server(gguf: Path, threads: int, n_ctx: int) -> ServerSpec:

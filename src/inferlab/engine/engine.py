@@ -413,7 +413,7 @@ class InferenceEngine:
             )
         return ", ".join(parts)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """Counters the server exports on /v1/metrics; a contiguous slot counts as one KV block of max_seq_len."""
         blocks, prefix, scheduler = self.blocks, self.blocks and self.blocks.prefix, self.scheduler
         return {
@@ -430,6 +430,7 @@ class InferenceEngine:
             "prefix_cache_blocks": prefix.num_cached if prefix else 0,
             "preemptions": scheduler.preemptions if scheduler else 0,
             **(self.speculation.counters() if self.speculation else {}),  # spec_target_calls, spec_accepted, ...
+            **(self.loop.stats.snapshot() if self.loop else {}),  # engine_steps, engine_forward_s, ...
         }
 
     def submit(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:

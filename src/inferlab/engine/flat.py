@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from inferlab.engine.step_stats import StepStats
 from inferlab.kernels.attention import decode_attention
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import PLAIN, AttentionSpan, Transformer, attend_over
@@ -98,8 +99,8 @@ class FlatAttend:
     gathered keys, causally from its start.
     """
 
-    def __init__(self, cache: PagedKVCache, batch: FlatBatch) -> None:
-        self.cache, self.batch = cache, batch
+    def __init__(self, cache: PagedKVCache, batch: FlatBatch, stats: StepStats | None = None) -> None:
+        self.cache, self.batch, self.stats = cache, batch, stats
         bs, device = cache.block_size, batch.tokens.device
         self.write_blocks = batch.row_tables().gather(1, (batch.positions // bs)[:, None])[:, 0]  # (N,)
         self.write_offsets = batch.positions % bs  # (N,)
@@ -124,6 +125,12 @@ class FlatAttend:
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, span: AttentionSpan = PLAIN) -> Tensor:
         # q: (1, H, N, D); k, v: (1, H_kv, N, D) -> (1, H, N, D)
+        if self.stats is None:
+            return self._attend(layer_idx, q, k, v, span)
+        with self.stats.timed("attention"):
+            return self._attend(layer_idx, q, k, v, span)
+
+    def _attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, span: AttentionSpan) -> Tensor:
         kernel = self.cache.decode_kernel and span.plain and self.single_length > 0
         self._write(layer_idx, k, v, self.chunk_rows if kernel else None)
         if not self.chunks:
@@ -167,15 +174,27 @@ class FlatAttend:
         return out[:, :, 0].transpose(0, 1).unsqueeze(0)
 
 
-def forward_flat(model: Transformer, cache: PagedKVCache, batch: FlatBatch, fused: FusedDecode | None = None) -> Tensor:
+def runs_fused(fused: FusedDecode | None, batch: FlatBatch) -> bool:
+    """Whether `forward_flat` runs `batch` as one C++ call: the engine built a fused step covering its rows."""
+    return fused is not None and fused.covers(batch.num_rows)
+
+
+def forward_flat(
+    model: Transformer,
+    cache: PagedKVCache,
+    batch: FlatBatch,
+    fused: FusedDecode | None = None,
+    stats: StepStats | None = None,
+) -> Tensor:
     """Run every row of `batch` in one forward, writing its KV; the logits of `batch.logit_rows` (R, vocab).
 
-    Through the `fused` C++ step where the engine built one and it covers this many rows, else the model.
-    `logit_rows` may be empty (a step of prompt chunks with more to come): then the result is (0, vocab).
+    Through the `fused` C++ step where the engine built one and it covers this many rows, else the model
+    (its attention timed into `stats`). `logit_rows` may be empty (a step of prompt chunks with more to
+    come): then the result is (0, vocab).
     """
-    if fused is not None and fused.covers(batch.num_rows):
+    if runs_fused(fused, batch):
         k_scales, v_scales = cache.scales()
         tables, positions = batch.row_tables(), batch.positions
         return fused(batch.tokens, cache.k, cache.v, tables, positions, k_scales, v_scales, batch.logit_rows)
-    attend = FlatAttend(cache, batch)
+    attend = FlatAttend(cache, batch, stats)
     return model(batch.tokens[None], batch.positions[None], attend, rows=batch.logit_rows)[0]

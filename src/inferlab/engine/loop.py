@@ -23,13 +23,14 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.block_manager import BlockManager
-from inferlab.engine.flat import FlatBatch, Segment, forward_flat
+from inferlab.engine.flat import FlatBatch, Segment, forward_flat, runs_fused
 from inferlab.engine.mailbox import batched
 from inferlab.engine.paged import PagedKVCache
 from inferlab.engine.sampling import argmax_rows
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.engine.spec_batch import LoopSpeculation
+from inferlab.engine.step_stats import StepStats
 from inferlab.engine.threads import StepThreads
 from inferlab.errors import EngineFailedError, GenerationError
 from inferlab.kernels.fused_decode import FusedDecode
@@ -73,6 +74,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stopping = False  # stop(): the loop returns after its current step
         self.threads = StepThreads()  # fewer intra-op threads for steps of a few rows (off until set)
+        self.stats = StepStats()  # where the steps' time goes (engine/step_stats.py)
 
     # ---- the front door's side: any thread -------------------------------------------------------
     def add(self, request: Request, bounded: bool = True) -> None:
@@ -118,18 +120,21 @@ class EngineLoop:
         request is told at once."""
         try:
             while True:
-                with self._wake:
+                with self._wake, self.stats.timed("idle"):
                     self._wake.wait_for(lambda: self._stopping or self.scheduler.has_work())
                     if self._stopping:
                         return
-                with self.lock, batched():  # a step's events reach each event loop in one wakeup
-                    try:
-                        progressed = self.step()
-                    except Exception as error:  # the scheduler's own state is in doubt: start from empty
-                        progressed = True
-                        log.error("an engine step failed; its requests are dropped", exc_info=error)
-                        for request in self.scheduler.drain():
-                            deliver(request, GenerationError(f"the engine step failed ({type(error).__name__})"))
+                with self.stats.step(), self.lock:
+                    with batched():  # a step's events reach each event loop in one wakeup, on leaving it
+                        try:
+                            progressed = self.step()
+                        except Exception as error:  # the scheduler's own state is in doubt: start from empty
+                            progressed = True
+                            log.error("an engine step failed; its requests are dropped", exc_info=error)
+                            for request in self.scheduler.drain():
+                                deliver(request, GenerationError(f"the engine step failed ({type(error).__name__})"))
+                        handoff = time.perf_counter()
+                    self.stats.handoff_s += time.perf_counter() - handoff
                 if not progressed:  # waiting for memory another path holds: do not spin
                     with self._wake:
                         self._wake.wait(0.005)
@@ -143,7 +148,8 @@ class EngineLoop:
     def step(self) -> bool:
         """One turn: schedule -> run (one flat forward) -> sample -> stream. Call it holding `lock` (the loop
         does). Returns whether any token was computed."""
-        batch = self.scheduler.schedule()
+        with self.stats.timed("schedule"):
+            batch = self.scheduler.schedule()
         work = batch.work
         if work:
             drafts = self.speculation.propose(batch, self.scheduler.running) if self.speculation else {}
@@ -151,6 +157,9 @@ class EngineLoop:
             start = time.perf_counter()
             with self.threads.step(rows):  # the forward and the sampling; a step of a few rows on fewer threads
                 self._run(work, drafts)
+            if batch.prefills:
+                self.stats.prompt_steps += 1
+                self.stats.prompt_step_s += time.perf_counter() - start
             if self.speculation and len(work) == len(batch.decodes):  # decodes alone: what adaptive K weighs
                 self.speculation.step_cost.observe(rows, time.perf_counter() - start)
         return bool(work)
@@ -171,16 +180,19 @@ class EngineLoop:
                 for item in work:
                     self._run([item], drafts)
             return
-        for (request, n), rows, token in zip(work, logits, argmax):
-            try:
-                events = self._sample(request, rows, n, request in drafts, token)
-            except Exception as error:
-                self._fail(request, "sample", error)
-                continue
-            if request.finished:  # free first: a client that saw the closing event finds the memory back
-                self.scheduler.finish(request)
-            for event in events:
-                deliver(request, event)
+        with self.stats.timed("sample"):
+            for (request, n), rows, token in zip(work, logits, argmax):
+                try:
+                    events = self._sample(request, rows, n, request in drafts, token)
+                except Exception as error:
+                    self._fail(request, "sample", error)
+                    continue
+                if request.finished:  # free first: a client that saw the closing event finds the memory back
+                    self.scheduler.finish(request)
+                if events and events[0].ttft_ms is not None:
+                    self.stats.first_token(events[0].ttft_ms / 1e3)
+                for event in events:
+                    deliver(request, event)
 
     def _forward(
         self, work: list[tuple[Request, int]], drafts: dict[Request, list[int]]
@@ -189,10 +201,17 @@ class EngineLoop:
         argmax of its last row (None without rows), taken for every request in one call."""
         if self.fault_hook is not None:
             self.fault_hook("forward", [r for r, _ in work])
-        segments = [segment(r, n, drafts.get(r, [])) for r, n in work]
-        logits = forward_flat(self.model, self.cache, FlatBatch.pack(segments, self.cache.k.device), self.fused)
+        stats = self.stats
+        with stats.timed("pack"):
+            segments = [segment(r, n, drafts.get(r, [])) for r, n in work]
+            batch = FlatBatch.pack(segments, self.cache.k.device)
+        decode_rows = sum(len(s.tokens) for s, (r, _) in zip(segments, work) if r.num_uncomputed == 1)
+        stats.count(decode_rows, batch.num_rows - decode_rows, runs_fused(self.fused, batch))
+        with stats.timed("forward"):
+            logits = forward_flat(self.model, self.cache, batch, self.fused, stats)
         counts = [s.n_logits for s in segments]
-        return list(logits.split(counts)), last_row_argmax(logits, counts)
+        with stats.timed("sample"):
+            return list(logits.split(counts)), last_row_argmax(logits, counts)
 
     def _sample(self, request: Request, rows: Tensor, n: int, drafted: bool, argmax: int | None) -> list[StreamEvent]:
         """Record the `n` computed tokens; the events of the next token once the prompt is all in (of the

@@ -115,6 +115,11 @@ def _section(frame: pd.DataFrame, spec: dict[str, Any], report_dir: Path, rel: P
         return f"{head}\n\n{reason}"
     layout = spec["report"]
     body = [head, _markdown(_table(ok, layout["table"]))]
+    for extra in layout.get("more_tables", []):  # further views of the same rows, each of those that have its values
+        values = [v for v in extra["values"] if v in ok]
+        some = ok[ok[values].notna().any(axis=1)] if values else ok.iloc[:0]
+        if not some.empty:
+            body += [extra["caption"], _markdown(_table(some, extra))]
     if "chart" in layout:
         png = chart(ok, layout["chart"], spec["title"], report_dir / f"{spec['name']}.png")
         body.append(f"![{spec['title']}]({rel / png.name})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 import uuid
 from collections import deque
@@ -52,7 +53,7 @@ class RequestRecord:
 
 
 class ServerMetrics:
-    def __init__(self, window: int, engine_stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, window: int, engine_stats: Callable[[], dict[str, float]]) -> None:
         self.engine_stats = engine_stats
         self.recent: dict[str, deque[float]] = {k: deque(maxlen=window) for k in ("ttft_ms", "tpot_ms", "e2e_ms")}
         self.registry = CollectorRegistry()  # one per app, so tests can build many apps in one process
@@ -71,6 +72,7 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(engine_stats))
         ProcessCollector(registry=self.registry)
         self.process = psutil.Process()
+        self.event_loop_thread: int | None = None  # the native id of the thread serving requests (RequestLog)
 
     def finish(self, record: RequestRecord, status: int, route: str) -> None:
         end = time.perf_counter()
@@ -117,7 +119,18 @@ class ServerMetrics:
             out[name] = {f"p{p}": float(np.percentile(array, p)) if array.size else None for p in PERCENTILES}
         out["requests_completed"] = len(self.recent["e2e_ms"])
         out["server_rss_bytes"] = self.process.memory_info().rss
+        out.update(self.cpu_seconds())
         return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time the process and its HTTP event-loop thread have used (user + system), beside the engine
+        thread's own (engine_cpu_s): how much of the cores serving takes from the engine."""
+        threads = {t.id: t.user_time + t.system_time for t in self.process.threads()}
+        times = self.process.cpu_times()
+        return {
+            "cpu_s_process": times.user + times.system,
+            "cpu_s_event_loop": threads.get(self.event_loop_thread or -1, 0.0),
+        }
 
     def prometheus(self) -> bytes:
         return generate_latest(self.registry)
@@ -126,7 +139,7 @@ class ServerMetrics:
 class _EngineCollector:
     """Engine counters read at scrape time, so Prometheus and /v1/metrics agree."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, float]]) -> None:
         self.engine_stats = engine_stats
 
     def collect(self):
@@ -149,6 +162,7 @@ class RequestLog:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         record = RequestRecord(scope["method"], scope["path"])
+        self.metrics.event_loop_thread = threading.get_native_id()
         given = dict(scope["headers"]).get(b"x-request-id", b"")
         if REQUEST_ID.fullmatch(given):  # the caller's id (a proxy's, a tracing client's) is kept
             record.id = given.decode()

@@ -5,12 +5,15 @@ spec=self at the same precision). Every server is started once on its own loopba
 load generator drives each in turn with the same prompts, the others paused (SIGSTOP) meanwhile: in each round, for each concurrency level, every
 server gets one closed-loop streaming load of max(load.num_requests, c) requests (the server order
 rotates between rounds). Each figure is the median over the rounds. A peer that is not installed (or, for
-vLLM, no `study.vllm_python`) gives a row saying so instead.
+vLLM, no `study.vllm_python`) gives a row saying so instead. inferlab-serve's rows also carry its engine's step
+profile of each load (bench/engine_profile.py): steps/s, rows per step and each phase's ms per step, from its
+own counters, so a level's figures come with why.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from inferlab.bench.engine_profile import PROFILE_COLUMNS, scrape, step_profile
 from inferlab.bench.loadgen import HTTPTarget, LoadSpec, measure
 from inferlab.bench.peer_servers import ServerSpec, inferlab_server, llama_cpp_server, vllm_server
 from inferlab.bench.prompts import Prompt, load_tokenizer, make_prompts
@@ -60,12 +64,17 @@ def run(cfg: DictConfig) -> Rows:
             servers[spec.name].pause()
 
         def drive(spec: ServerSpec, prompts: list[Prompt], concurrency: int) -> dict[str, float]:
-            """One load on one server, the others paused (an idle server's threads may still spin)."""
+            """One load on one server, the others paused (an idle server's threads may still spin); with the
+            engine's step profile of that load where the server exports its counters."""
             server = servers[spec.name]
             server.resume()
             try:
                 target = HTTPTarget(server.url, "completions", spec.model, int(load["output_tokens"]), 0.0)
-                return measure(target, prompts, LoadSpec(concurrency))
+                before, start = scrape(server.url) if spec.profiled else {}, time.perf_counter()
+                metrics = measure(target, prompts, LoadSpec(concurrency))
+                if spec.profiled:
+                    metrics.update(step_profile(before, scrape(server.url), time.perf_counter() - start))
+                return metrics
             finally:
                 server.pause()
 
@@ -78,7 +87,8 @@ def run(cfg: DictConfig) -> Rows:
     for spec in specs:
         base = None
         for c in levels:
-            row = {m: statistics.median(s[m] for s in samples[spec.name, c]) for m in METRICS}
+            measured = METRICS + (PROFILE_COLUMNS if spec.profiled else ())
+            row = {m: statistics.median(s[m] for s in samples[spec.name, c]) for m in measured}
             # a server that cuts answers short shows it here (and its tok/s means little)
             row["output_tokens_per_request"] = statistics.median(
                 s["total_output_tokens"] / max(s["completed"], 1) for s in samples[spec.name, c]
