@@ -82,6 +82,39 @@ def test_gemv_equals_reference(isa, dtype, weight_kind, rows, extras):
     assert (y.double() - expected).abs().max().item() <= tolerance
 
 
+def int4_int16_code_product(x, codes, scales, mins, bias, group_size):
+    """What the int4 kernel computes, exactly: x's int16 codes per row (x / (max|x| / 16383), fp32, rounded to
+    nearest even), their integer dots with the nibble codes per group (int64, exact), then in fp64
+    (sum over groups of dot * scale + min * the group's sum of codes) * the row's scale + bias. Returns that
+    and the sum of the terms' magnitudes (what the kernel's fp32 summation rounds relative to)."""
+    x_scale = x.abs().amax(-1, keepdim=True) / 16383
+    x_codes = torch.round(x / x_scale).long().unflatten(-1, (-1, group_size))  # (M, G, group)
+    dots = torch.einsum("mgk,ngk->mng", x_codes, codes.long().unflatten(-1, (-1, group_size))).double()
+    dot_terms = dots * scales.double()
+    min_terms = x_codes.sum(-1).double()[:, None, :] * mins.double()
+    x_scale = x_scale.double()
+    exact = (dot_terms + min_terms).sum(-1) * x_scale + (0 if bias is None else bias.double())
+    return exact, (dot_terms.abs() + min_terms.abs()).sum(-1) * x_scale
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 16, 33, 64, 128])
+@pytest.mark.parametrize(("n", "k", "group_size"), [(203, 1056, 32), (37, 96, 32), (45, 1536, 64)])
+def test_int4_gemv_is_the_int16_code_product_to_float_rounding(isa, rows, n, k, group_size):
+    """The int4 kernel multiplies the same int16 activation codes as the int8 one, exactly in integers: every
+    path (streamed rows at 1-2 activation rows, tiles beyond) equals that integer product within the rounding
+    of its fp32 sum (one update per 32-column block and one per group, then the scale and the bias: at most that
+    many ulp of the terms' magnitudes; measured: about 1), on odd N and odd numbers of 32-column blocks."""
+    torch.manual_seed(rows + k)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales, mins = torch.rand(n, k // group_size) / 50, -torch.rand(n, k // group_size) / 7
+    x, bias = torch.randn(rows, k) * torch.rand(rows, 1) * 4, torch.randn(n)
+    y = gemv(x, pack_nibbles(codes), scales, bias, None, False, mins)
+    exact, magnitude = int4_int16_code_product(x, codes, scales, mins, bias, group_size)
+    bound = (k // 32 + k // group_size + 2) * 2.0**-23 * (magnitude + bias.abs().double())
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
 @needs_gemv
 @pytest.mark.parametrize(
     ("weight_kind", "dtype"),

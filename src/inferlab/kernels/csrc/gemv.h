@@ -10,7 +10,8 @@
 // a time, so a weight row comes from memory once and from cache for every further chunk of rows.
 // fp32 weights are fused-multiply-added, bf16 weights too once widened to fp32 (a shift or a mask);
 // int8 and int4 weights meet int16 activation codes in exact integer multiply-adds (one instruction per
-// 2 * kLanes weights), int4 with a float scale and min per group as GGUF's Q4_1 defines them. Every (weight row, activation row) product is summed in the same
+// 2 * kLanes weights), int4 with a float scale and min per group as GGUF's Q4_1 defines them, its weight rows
+// in vector lanes (Int4Format). Every (weight row, activation row) product is summed in the same
 // order whatever else is in the call, so a row's result does not depend on how many rows came with it
 // (a 1-row decode and a K+1-row speculative verification agree to the bit). Rows are split across
 // torch's intra-op threads. Written once over the SIMD layer (simd.h) and compiled per instruction set.
@@ -21,6 +22,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <sys/mman.h>
+
+#include <cstdlib>
+#include <memory>
 #include <numeric>
 #include <optional>
 
@@ -38,6 +43,11 @@ constexpr int64_t kMaxK = 8192;
 constexpr float kInt16Max = 16383;    // activation codes for integer weights: 2 * 127 * 16383 * (K / 16) fits int32
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0); }
+
+// Into L2 only, further ahead: a stream of pre-tiled int4 weights (one per thread) decoded SmolLM2 1.3x as fast
+// so as with prefetch() (into L1: 0.9x, at any distance), and 0.8x with none (AVX-512, one thread)
+constexpr int64_t kL2PrefetchBytes = 32 * 1024;
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kL2PrefetchBytes, _MM_HINT_T1); }
 
 inline void prefetch_lines(const void* p, int64_t bytes) {  // every 64-byte line of [p, p + bytes)
   for (int64_t b = 0; b < bytes; b += 64) prefetch(static_cast<const char*>(p) + b);
@@ -217,102 +227,6 @@ struct Int8Step {
   static float prepare(const float* x, int64_t K, X* out) { return int16_codes(x, K, out); }
 };
 
-// 4-bit codes q in [0, 15], two per byte (even column in the low nibble), w = q * scale + min per group
-// of `group` columns (GGUF Q4_1's arithmetic). Per group: the integer dot of the codes with the int16
-// activation codes times the group's scale, plus its min times the group's sum of activation codes.
-// One flat loop over steps of kBlocks blocks of 32 columns (16 bytes each; kBlocks = L::N / 8: the
-// int32 lanes of block j are L's 8-lane block j), the integer dots scaled into fp32 sums whenever
-// a step ends a group (a nested loop per group ran ~1.3x slower: its accumulators did not stay in
-// registers), the min terms as one dot per row.
-struct Int4Format {
-  static constexpr int kTileRows = 4;    // one activation row: 4 weight rows streamed together
-  static constexpr int kRows = kLanes == 16 ? 2 : 1, kChunk = 4;  // 2 accumulators per product
-  static constexpr int64_t kBlock = 32;  // columns per block: 16 bytes
-  using L = Wide;
-  static constexpr int kBlocks = L::N / 8;
-  static constexpr int64_t kStepColumns = kBlocks * kBlock;
-  const uint8_t* w;                      // (N, K / 2)
-  int64_t K, group, G, stride, steps_per_scale;
-  const float* scales;                   // (N, G)
-  const float* mins;                     // (N, G)
-  std::vector<int16_t> x;                // (M, stride), each step's columns as their evens, then their odds
-  std::vector<float> group_sums;         // (M, G)
-  std::vector<int64_t> block_group;      // the group of each block of 32 columns, padded to whole steps
-  std::vector<float> x_scale;            // (M,)
-
-  Int4Format(const uint8_t* packed, int64_t K_, int64_t group_, const float* scales_, const float* mins_,
-             const float* xf, int64_t M)
-      : w(packed), K(K_), group(group_), G(K_ / group_), stride(round_up(K_, kStepColumns)),
-        // a step inside one group: its dots add up over the group's steps; else scaled at every step
-        steps_per_scale(group_ % kStepColumns == 0 ? group_ / kStepColumns : 1), scales(scales_), mins(mins_),
-        x(M * stride), group_sums(M * G), block_group(stride / kBlock), x_scale(M) {
-    for (int64_t b = 0; b < stride / kBlock; ++b) block_group[b] = std::min(b * kBlock / group, G - 1);
-    for (int64_t m = 0; m < M; ++m) {
-      int16_t* codes = x.data() + m * stride;  // the padding stays 0
-      x_scale[m] = int16_codes(xf + m * K, K, codes);
-      for (int64_t g = 0; g < G; ++g) {
-        group_sums[m * G + g] = std::accumulate(codes + g * group, codes + (g + 1) * group, 0.0f);
-      }
-      deinterleave(codes, stride, kStepColumns);
-    }
-  }
-
-  template <int R, int M>
-  void dot(int64_t n, float* acc, int64_t m0) const {
-    L::V sum[R * M];
-    L::I dots[R * M];
-    for (int i = 0; i < R * M; ++i) {
-      sum[i] = L::zero();
-      dots[i] = L::zero_int();
-    }
-    const int64_t steps = stride / kStepColumns;
-    for (int64_t s = 0, left = steps_per_scale; s < steps; ++s) {
-      const bool partial = (s + 1) * kStepColumns > K;  // the last step, half past the row's end
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* bytes = w + (n + r) * (K / 2) + s * (kStepColumns / 2);
-        prefetch(bytes);
-        L::I codes;
-        if constexpr (kBlocks > 1) {
-          codes = partial ? L::widen_half(bytes) : L::widen(bytes);
-        } else {
-          codes = L::widen(bytes);
-        }
-        const L::I even = L::low_nibbles(codes);  // the codes of the step's even columns
-        const L::I odd = L::high_nibbles(codes);
-        for (int m = 0; m < M; ++m) {
-          const int16_t* xs = x.data() + (m0 + m) * stride + s * kStepColumns;
-          dots[r * M + m] = L::dot_int16(L::dot_int16(dots[r * M + m], even, L::load_int(xs)), odd,
-                                         L::load_int(xs + kStepColumns / 2));
-        }
-      }
-      if (--left == 0) {
-        for (int r = 0; r < R; ++r) {
-          float block_scales[kBlocks];
-          for (int j = 0; j < kBlocks; ++j) block_scales[j] = scales[(n + r) * G + block_group[s * kBlocks + j]];
-          const L::V scale = L::per_block(block_scales);
-          for (int m = 0; m < M; ++m) {
-            sum[r * M + m] = L::fmadd(L::to_float(dots[r * M + m]), scale, sum[r * M + m]);
-            dots[r * M + m] = L::zero_int();
-          }
-        }
-        left = steps_per_scale;
-      }
-    }
-    for (int r = 0; r < R; ++r) {  // + the sum over groups of min * the group's activation codes, vectorized
-      const float* row_mins = mins + (n + r) * G;
-      for (int m = 0; m < M; ++m) {
-        const float* sums = group_sums.data() + (m0 + m) * G;
-        L::V min_terms = L::zero();
-        int64_t g = 0;
-        for (; g + L::N <= G; g += L::N) min_terms = L::fmadd(L::load(row_mins + g), L::load(sums + g), min_terms);
-        float total = L::sum(sum[r * M + m]) + L::sum(min_terms);
-        for (; g < G; ++g) total += row_mins[g] * sums[g];
-        acc[r * M + m] = total;
-      }
-    }
-  }
-};
-
 // y[m0 + m, n] = dot(n, m0 + m) * x_scale[m0 + m] * scales[n] + bias[n] for n in [begin, end), m < MR;
 // R weight rows per dot call
 template <typename F, typename Y, int MR, int R>
@@ -378,6 +292,269 @@ void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* 
   at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) { rows(f, M, scales, bias, y, N, begin, end, row_bytes); });
 }
 
+// 4-bit codes q in [0, 15], two per byte (even column in the low nibble), w = q * scale + min per group
+// of `group` columns (GGUF Q4_1's arithmetic), multiplied across rows: the L::N lanes of a vector are L::N
+// consecutive weight rows (a block), so each row's sum is a lane, updated once per 32 columns in one order.
+// The activations are the int16 codes the int8 format takes (int16_codes: x / max|x| * 16383 per row, the
+// scale applied once at the end), the weights' nibbles widened in place to int16 pairs: a row's 4 bytes of 8
+// columns (chunk) hold column j in bits 4j..4j+3, so masks of bytes and bytes >> 8 give the pairs of columns
+// s and s + 4 (s < 4; s odd: 16 times them), each multiplied by the activation pair (x[s], x[s + 4]) in one
+// int16 multiply-add of pairs (VNNI's vpdpwssd, AVX2's madd): 8 instructions per chunk and row of
+// activations on AVX2, 4 on AVX-512, 5 per chunk to unpack it. The products sum exactly in int32 (the
+// 16-fold ones apart, shifted back per block: <= 16 * 15 * 16383 * 32 a block), so the integers are the
+// int16-code kernel's, in any order. Per row and block of 32 columns, in this order on every path:
+// sum += float(q . codes) * scale; at a group's first block, sum += min * (the group's sum of codes);
+// y = sum * x_scale + bias. Two ways to get it:
+//  - tiled: a block's codes transposed into a buffer (chunks of 8 columns, L::N rows: 4 bytes a row), each
+//    activation pair broadcast to every row; a tile of blocks (kTileBytes) read by every chunk of kChunk
+//    activation rows. The decode plan holds every block's tile, made once (Projection's `tiled`), and reads
+//    them as one stream at any M.
+//  - streamed (untiled weights, up to kStreamRows activation rows: the gemv op's decode): each weight row
+//    read whole, one after the other, L::N chunks a vector (their lanes summed per block at the end), the
+//    L::N rows' dots then transposed into lanes. Transposing L::N rows as they are read makes L::N streams,
+//    which the hardware prefetchers follow too late.
+// The int8 codes per 32 inputs that llama.cpp's Q8 blocks use would halve the multiply-adds, but cost
+// SmolLM2's int4 ten times its logit error against fp32 (teacher-forced min cosine 0.982 vs 0.9993).
+struct Int4Format {
+  using L = Wide;
+  static constexpr int kChunk = kDecodeRows;  // activation rows per pass over a tiled block
+  static constexpr int kStreamRows = 2;       // up to this many activation rows untiled weights are streamed
+  static constexpr int64_t kBlock = 32;       // columns per float update; the group size is a multiple of it
+  static constexpr int64_t kVectorBlocks = L::N / 4;  // blocks of one row a vector holds (16 bytes each)
+  static constexpr int64_t kSlack = L::N * L::N;
+  const uint8_t* w;                           // (N, K / 2)
+  // chunks of 8 columns, blocks of kBlock, vectors of L::N chunks; stride: int32 per activation row
+  int64_t N, K, group, G, chunks, blocks, vectors, stride;
+  const float* scales;                        // (N, G)
+  const float* mins;                          // (N, G)
+  std::vector<int32_t> x;                     // (M, vectors, 4, L::N): per vector of chunks, for s < 4, the
+                                              // activation pairs (x[8c + s], x[8c + s + 4]) of its chunks c
+  std::vector<float> x_scale;                 // (M,)
+  std::vector<float> group_sums;              // (M, G): the sums of the codes
+  std::vector<int64_t> block_group;           // (blocks,): the group of each block (no division in the loops)
+  std::vector<uint8_t> group_start;           // (blocks,): whether the block is its group's first
+
+  Int4Format(const uint8_t* packed, int64_t N_, int64_t K_, int64_t group_, const float* scales_, const float* mins_,
+             const float* xf, int64_t M)
+      : w(packed), N(N_), K(K_), group(group_), G(K_ / group_), chunks(K_ / 8), blocks(K_ / kBlock),
+        vectors((chunks + L::N - 1) / L::N), stride(vectors * 4 * L::N), scales(scales_), mins(mins_),
+        x(M * stride), x_scale(M), group_sums(M * G), block_group(blocks), group_start(blocks) {
+    for (int64_t kb = 0; kb < blocks; ++kb) {
+      block_group[kb] = kb * kBlock / group;
+      group_start[kb] = kb * kBlock % group == 0;
+    }
+    std::vector<int16_t> codes(K);
+    for (int64_t m = 0; m < M; ++m) {
+      x_scale[m] = int16_codes(xf + m * K, K, codes.data());
+      for (int64_t g = 0; g < G; ++g) {
+        group_sums[m * G + g] = std::accumulate(codes.data() + g * group, codes.data() + (g + 1) * group, 0.0f);
+      }
+      for (int64_t c = 0; c < chunks; ++c) {
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t low = static_cast<uint16_t>(codes[8 * c + s]), high = static_cast<uint16_t>(codes[8 * c + s + 4]);
+          pairs(m, c)[s * L::N] = static_cast<int32_t>(low | high << 16);
+        }
+      }
+    }
+  }
+  int32_t* pairs(int64_t m, int64_t c) {  // chunk c's pair for s = 0; s's L::N * s on
+    return x.data() + m * stride + c / L::N * 4 * L::N + c % L::N;
+  }
+  const int32_t* pairs(int64_t m, int64_t c) const { return const_cast<Int4Format*>(this)->pairs(m, c); }
+
+  // A block of L::N weight rows as the dots read it, from a buffer of codes (chunks, L::N) (tiled only), then
+  // scales and mins (G, L::N): codes(c) the 4 bytes of chunk c per row, scale(g) and min(g) per row
+  struct Tile {
+    const int32_t* code_lanes;
+    const float *scale_lanes, *min_lanes;
+    bool in_memory;  // made before (read from memory, prefetched), else just made in a buffer (in cache)
+    L::I codes(int64_t c) const { return L::load_int(code_lanes + c * L::N); }
+    L::V scale(int64_t g) const { return L::load(scale_lanes + g * L::N); }
+    L::V min(int64_t g) const { return L::load(min_lanes + g * L::N); }
+  };
+  int64_t tile_ints() const { return (chunks + 2 * G) * L::N; }  // one block's buffer, in 4-byte values
+  int64_t row_blocks() const { return (N + L::N - 1) / L::N; }
+
+  // Rows n.. of `values` (N, count) 4-byte values into out (count, L::N): L::N values of each row at a time,
+  // transposed (rows past N repeat row N - 1); writes whole L::N x L::N squares, up to kSlack values past the end
+  void transposed(const void* values_, int64_t count, int64_t n, int32_t* out) const {
+    const int32_t* values = static_cast<const int32_t*>(values_);
+    for (int64_t j0 = 0; j0 < count; j0 += L::N) {
+      const int left = static_cast<int>(std::min<int64_t>(L::N, count - j0));
+      L::I r[L::N];
+      for (int i = 0; i < L::N; ++i) {
+        const int32_t* at = values + std::min(n + i, N - 1) * count + j0;
+        // the same values of the block after next requested now, one line a load: the L::N rows of a block are
+        // a stream the hardware prefetchers follow too late (without: half the speed of reading row by row)
+        _mm_prefetch(reinterpret_cast<const char*>(at + 2 * L::N * count), _MM_HINT_T0);
+        r[i] = L::load_int(at, left);
+      }
+      L::transpose(r);
+      for (int j = 0; j < L::N; ++j) L::store_int(out + (j0 + j) * L::N, r[j]);  // past `left`: overwritten next
+    }
+  }
+  Tile lanes(int64_t n, int32_t* buffer) const {  // the scales and mins of the block of rows n.., into buffer
+    const float* floats = reinterpret_cast<const float*>(buffer);
+    transposed(scales, G, n, buffer);
+    transposed(mins, G, n, buffer + G * L::N);
+    return Tile{nullptr, floats, floats + G * L::N, false};
+  }
+  Tile tile(int64_t n, int32_t* buffer) const {  // the whole block of rows n.., written to buffer (tile_ints())
+    transposed(w, chunks, n, buffer);
+    Tile t = lanes(n, buffer + chunks * L::N);
+    t.code_lanes = buffer;
+    return t;
+  }
+  Tile tile_at(const int32_t* buffer) const {  // a block's tile made before
+    const float* floats = reinterpret_cast<const float*>(buffer + chunks * L::N);
+    return Tile{buffer, floats, floats + G * L::N, true};
+  }
+
+  // sum (a lane per row of the block) after block kb of activation row m: the one update every path makes
+  L::V scaled(L::V sum, L::I q, const Tile& rows, int64_t m, int64_t kb) const {
+    const int64_t g = block_group[kb];
+    sum = L::fmadd(L::to_float(q), rows.scale(g), sum);
+    return group_start[kb] ? L::fmadd(rows.min(g), L::set1(group_sums[m * G + g]), sum) : sum;
+  }
+
+  // w[s]: the pair of columns s and s + 4 of each lane's chunk of 8 nibbles as two int16, 16 times them for odd s
+  static void nibble_pairs(L::I bytes, L::I* w) {
+    const L::I low = L::set1_int(0x000F000F), high = L::set1_int(0x00F000F0), shifted = L::shift_right(bytes, 8);
+    w[0] = L::and_int(bytes, low);
+    w[1] = L::and_int(bytes, high);
+    w[2] = L::and_int(shifted, low);
+    w[3] = L::and_int(shifted, high);
+  }
+  // the exact dots from their even-s and (16-fold) odd-s parts
+  static L::I joined(L::I even, L::I odd) { return L::add(even, L::shift_right_signed(odd, 4)); }
+
+  // sum[m] = the tiled block's rows . activation row m0 + m
+  template <int M>
+  void dot(const Tile& rows, int64_t m0, L::V* sum) const {
+    L::V acc[M];  // not sum itself: through the pointer, each update went to memory and back
+    for (int m = 0; m < M; ++m) acc[m] = L::zero();
+    for (int64_t kb = 0; kb < blocks; ++kb) {
+      L::I dots[M * 2];  // per activation row: even s, odd s
+      for (int i = 0; i < M * 2; ++i) dots[i] = L::zero_int();
+      if (rows.in_memory) {  // every line of the tile's stream requests the one kL2PrefetchBytes on
+        prefetch_l2(rows.scale_lanes + block_group[kb] * L::N);
+        prefetch_l2(rows.min_lanes + block_group[kb] * L::N);
+      }
+      for (int64_t c = kb * kBlock / 8; c < (kb + 1) * kBlock / 8; ++c) {
+        if (rows.in_memory) prefetch_l2(rows.code_lanes + c * L::N);
+        L::I w[4];
+        nibble_pairs(rows.codes(c), w);
+        for (int m = 0; m < M; ++m) {  // each activation pair broadcast from memory into its instruction
+          const int32_t* x_pairs = pairs(m0 + m, c);
+          for (int s = 0; s < 4; ++s) {
+            dots[2 * m + s % 2] = L::dot_int16(dots[2 * m + s % 2], w[s], L::set1_int(x_pairs[s * L::N]));
+          }
+        }
+      }
+      for (int m = 0; m < M; ++m) acc[m] = scaled(acc[m], joined(dots[2 * m], dots[2 * m + 1]), rows, m0 + m, kb);
+    }
+    for (int m = 0; m < M; ++m) sum[m] = acc[m];
+  }
+
+  // The same sums, the block's rows n.. read from w one after another. Per row and activation row, 4 vectors of
+  // kVectorBlocks blocks at a time dotted into int32 lanes, 4 per block, their sums (L::sum_quads) stored as
+  // q (M, L::N rows, squares of L::N blocks); per square the L::N rows' sums transposed into lanes and scaled.
+  // q: M * L::N * round_up(blocks, L::N) values
+  template <int M>
+  void streamed(const Tile& rows, int64_t n, int64_t m0, int32_t* q, L::V* sum) const {
+    const int64_t row_q = round_up(blocks, L::N);
+    for (int i = 0; i < L::N; ++i) {
+      const int32_t* row = reinterpret_cast<const int32_t*>(w + std::min(n + i, N - 1) * (K / 2));
+      for (int64_t v0 = 0; v0 < vectors; v0 += 4) {
+        L::I dots[M][4][2];  // even s, odd s
+        for (int m = 0; m < M; ++m) {
+          for (int j = 0; j < 4; ++j) dots[m][j][0] = dots[m][j][1] = L::zero_int();
+        }
+        for (int64_t v = v0; v < std::min(vectors, v0 + 4); ++v) {
+          const int32_t* at = row + v * 4 * kVectorBlocks;
+          prefetch_l2(at);
+          const int64_t left = 4 * (blocks - v * kVectorBlocks);  // int32 values left in the row
+          const L::I bytes = left >= L::N ? L::load_int(at) : L::load_int(at, static_cast<int>(left));
+          L::I w[4];
+          nibble_pairs(bytes, w);
+          for (int m = 0; m < M; ++m) {
+            const int32_t* xs = x.data() + (m0 + m) * stride + v * 4 * L::N;
+            L::I* d = dots[m][v - v0];
+            for (int s = 0; s < 4; ++s) d[s % 2] = L::dot_int16(d[s % 2], w[s], L::load_int(xs + s * L::N));
+          }
+        }
+        // lane 4 p + j: block (v0 + j) * kVectorBlocks + p
+        for (int m = 0; m < M; ++m) {
+          const L::I exact[4] = {joined(dots[m][0][0], dots[m][0][1]), joined(dots[m][1][0], dots[m][1][1]),
+                                 joined(dots[m][2][0], dots[m][2][1]), joined(dots[m][3][0], dots[m][3][1])};
+          L::store_int(q + (m * L::N + i) * row_q + v0 * kVectorBlocks, L::sum_quads(exact));
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      sum[m] = L::zero();
+      for (int64_t b0 = 0; b0 < blocks; b0 += L::N) {
+        L::I square[L::N];  // square[lane] lane i: row i's sum at that lane (above)
+        for (int i = 0; i < L::N; ++i) square[i] = L::load_int(q + (m * L::N + i) * row_q + b0);
+        L::transpose(square);
+        for (int64_t kb = b0; kb < std::min(blocks, b0 + L::N); ++kb) {
+          const int64_t b = kb - b0;
+          sum[m] = scaled(sum[m], square[4 * (b % kVectorBlocks) + b / kVectorBlocks], rows, m0 + m, kb);
+        }
+      }
+    }
+  }
+
+  // y[m0 + m, n + i] = sum + bias[n + i] for the block's rows from n on, m < mr (<= MR)
+  template <bool kStreamed, typename Y, int MR = kStreamed ? kStreamRows : kChunk>
+  void rows_of(int64_t mr, const Tile& rows, int64_t n, int64_t m0, const float* bias, Y* y, int32_t* q) const {
+    if constexpr (MR > 1) {
+      if (mr < MR) return rows_of<kStreamed, Y, MR - 1>(mr, rows, n, m0, bias, y, q);
+    }
+    L::V sum[MR];
+    if constexpr (kStreamed) {
+      streamed<MR>(rows, n, m0, q, sum);
+    } else {
+      dot<MR>(rows, m0, sum);
+    }
+    for (int m = 0; m < MR; ++m) {
+      float lanes[L::N];
+      L::store(lanes, sum[m]);
+      for (int64_t i = 0; i < std::min<int64_t>(L::N, N - n); ++i) {
+        y[(m0 + m) * N + n + i] = static_cast<Y>(lanes[i] * x_scale[m0 + m] + (bias ? bias[n + i] : 0.0f));
+      }
+    }
+  }
+
+  // y (M, N) = x @ W.T + bias, blocks of rows split across torch's threads; `tiled`: every block's tile, made
+  // before (else each thread makes them as it goes, or streams the rows, transposing only scales and mins)
+  template <typename Y>
+  void operator()(int64_t M, const float* bias, Y* y, const int32_t* tiled = nullptr) const {
+    const int64_t row_blocks = this->row_blocks();
+    at::parallel_for(0, row_blocks, std::max<int64_t>(1, kGrain / L::N), [&](int64_t begin, int64_t end) {
+      if (!tiled && M <= kStreamRows) {
+        std::vector<int32_t> buffer(2 * G * L::N + kSlack), q(M * L::N * round_up(blocks, L::N));
+        for (int64_t b = begin; b < end; ++b) rows_of<true>(M, lanes(b * L::N, buffer.data()), b * L::N, 0, bias, y, q.data());
+        return;
+      }
+      const int64_t per_tile = M <= kDecodeRows ? 1 : std::max<int64_t>(1, kTileBytes / (L::N * K / 2));
+      std::vector<int32_t> buffer(tiled ? 0 : per_tile * tile_ints() + kSlack);
+      std::vector<Tile> tiles(per_tile);
+      for (int64_t t = begin; t < end; t += per_tile) {
+        const int64_t t_end = std::min(end, t + per_tile);
+        for (int64_t b = t; b < t_end; ++b) {
+          tiles[b - t] = tiled ? tile_at(tiled + b * tile_ints()) : tile(b * L::N, buffer.data() + (b - t) * tile_ints());
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
+          for (int64_t b = t; b < t_end; ++b) {
+            rows_of<false>(std::min<int64_t>(kChunk, M - m0), tiles[b - t], b * L::N, m0, bias, y, nullptr);
+          }
+        }
+      }
+    });
+  }
+};
+
 // Each row of x (M, K) -> x * rsqrt(mean(x^2) + eps) * norm_weight, in fp32: the RMSNorm before the product
 inline void rms_normalize(float* x, int64_t M, int64_t K, const float* norm_weight, double eps) {
   for (int64_t m = 0; m < M; ++m) {
@@ -405,17 +582,47 @@ inline void swiglu(float* x, int64_t M, int64_t K) {
   }
 }
 
+// Memory for pre-tiled int4 weights (a decode plan's), in chunks on 2 MiB pages where the system gives them
+// (transparent huge pages advised before the first write, as kernels/huge_pages.py does for the model's
+// weights): streams read every step, without a TLB entry and a prefetcher restart per 4 KiB. One arena for all
+// projections: a 2 MiB page of its own would round a SmolLM2 projection's 0.25-1.3 MiB up to 2 MiB.
+class TileArena {
+ public:
+  int32_t* take(int64_t n) {  // n values, 64-byte aligned, for as long as the arena lives
+    const int64_t bytes = round_up(n * static_cast<int64_t>(sizeof(int32_t)), 64);
+    if (chunks_.empty() || used_ + bytes > size_) {
+      size_ = round_up(std::max(bytes, kChunkBytes), kHugePage);
+      chunks_.emplace_back(static_cast<char*>(std::aligned_alloc(kHugePage, size_)), &std::free);
+      TORCH_CHECK(chunks_.back(), "gemv: out of memory for ", size_, " bytes of int4 tiles");
+      madvise(chunks_.back().get(), size_, MADV_HUGEPAGE);  // refused (THP off): 4 KiB pages, the same values
+      used_ = 0;
+    }
+    int32_t* p = reinterpret_cast<int32_t*>(chunks_.back().get() + used_);
+    used_ += bytes;
+    return p;
+  }
+
+ private:
+  static constexpr int64_t kHugePage = 2 << 20, kChunkBytes = 16 << 20;
+  std::vector<std::unique_ptr<char, decltype(&std::free)>> chunks_;
+  int64_t size_ = 0, used_ = 0;
+};
+
 // One projection's weights as the kernel reads them: W in one of four formats,
 //   fp32, bf16 or int8 (N, K), with `scales` (N,) for int8; or uint8 (N, K / 2) int4 codes with
 //   `scales` and `mins` (N, K / group); bias (N,). Scales, mins and bias are read as fp32 (converted
 //   once, here, when they are bf16).
+// `arena` given: int4 weights also held there as Int4Format's blocks of rows (codes, scales and mins again, once),
+// so that calls read them as one stream instead of transposing them on the way (the whole decode step holds
+// them so).
 struct Projection {
   at::Tensor weight;
   Floats scales, mins, bias;
   int64_t N = 0, K = 0, group = 0;
+  const int32_t* tiles = nullptr;  // int4 with an arena: every block's Int4Format::tile
 
   Projection(const at::Tensor& w, const std::optional<at::Tensor>& scales_, const std::optional<at::Tensor>& mins_,
-             const std::optional<at::Tensor>& bias_)
+             const std::optional<at::Tensor>& bias_, TileArena* arena = nullptr)
       : weight(w), scales(optional_floats(scales_)), mins(optional_floats(mins_)), bias(optional_floats(bias_)) {
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "gemv: weight must be a contiguous (N, K) matrix");
     const bool int4 = w.scalar_type() == at::kByte;
@@ -429,6 +636,12 @@ struct Projection {
       group = K / scales_->size(1);
       TORCH_CHECK(group % Int4Format::kBlock == 0 && group * scales_->size(1) == K,
                   "gemv: the int4 group size must be a multiple of 32 dividing K");
+      if (arena) {
+        const Int4Format f(w.data_ptr<uint8_t>(), N, K, group, scales.data(), mins.data(), nullptr, 0);
+        int32_t* made = arena->take(f.row_blocks() * f.tile_ints() + Int4Format::kSlack);
+        for (int64_t b = 0; b < f.row_blocks(); ++b) f.tile(b * Int4Format::L::N, made + b * f.tile_ints());
+        tiles = made;
+      }
     } else {
       TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kChar,
                   "gemv: weights must be float32, bfloat16, int8 or uint8 int4 codes, got ", w.scalar_type());
@@ -453,8 +666,8 @@ struct Projection {
         run_rows(DenseFormat<Int8Step>(weight.data_ptr<int8_t>(), K, x, M), M, scales.data(), bias.data(), y, N, row_bytes);
         break;
       default:
-        run_rows(Int4Format(weight.data_ptr<uint8_t>(), K, group, scales.data(), mins.data(), x, M), M, nullptr,
-                 bias.data(), y, N, row_bytes);
+        Int4Format(weight.data_ptr<uint8_t>(), N, K, group, scales.data(), mins.data(), x, M)(
+            M, bias.data(), y, tiles);
     }
   }
 

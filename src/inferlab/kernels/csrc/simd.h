@@ -82,14 +82,9 @@ struct Lanes<8> {
 #endif
   static V to_float(I a) { return _mm256_cvtepi32_ps(a); }
   static float sum(I a) { return sum(to_float(a)); }
-  // 2N int8 or uint8 weights as 2N int16 lanes; widen_half: the first N uint8 (the rest 0, nothing read)
+  // 2N int8 weights as 2N int16 lanes
   static I widen(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static I widen(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static I widen_half(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
   static I load_int(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static I low_nibbles(I bytes) { return _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)); }  // of int16 lanes 0..255
-  static I high_nibbles(I bytes) { return _mm256_srli_epi16(bytes, 4); }
-  static V per_block(const float* values) { return _mm256_set1_ps(values[0]); }  // values[j] in 8-lane block j
   // 2N bf16 as N 32-bit lanes of pairs; their even-indexed and odd-indexed values as fp32 (bf16 is an fp32's high half)
   static I load_pairs(const at::BFloat16* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I load_pairs_half(const at::BFloat16* p) {  // N bf16, the rest 0
@@ -97,6 +92,39 @@ struct Lanes<8> {
   }
   static V even_bf16(I pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
   static V odd_bf16(I pairs) { return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(0xFFFF0000))); }
+  // int4 weights: N 4-byte values, or the first n of them (the rest 0, nothing read past them); an N x N transpose
+  static I load_int(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I load_int(const int32_t* p, int n) {
+    const __m256i first = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), first);
+  }
+  static void transpose(I* r) {  // r[i] lane j -> r[j] lane i
+    I a[8], b[8];
+    for (int i = 0; i < 4; ++i) {
+      a[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      a[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+      for (int k = 0; k < 2; ++k) {
+        b[4 * i + 2 * k] = _mm256_unpacklo_epi64(a[4 * i + k], a[4 * i + k + 2]);
+        b[4 * i + 2 * k + 1] = _mm256_unpackhi_epi64(a[4 * i + k], a[4 * i + k + 2]);
+      }
+    }
+    for (int k = 0; k < 4; ++k) {  // 128-bit half j of b[4 i + k]: rows 4 i.. of column 4 j + k
+      r[k] = _mm256_permute2x128_si256(b[k], b[4 + k], 0x20);
+      r[4 + k] = _mm256_permute2x128_si256(b[k], b[4 + k], 0x31);
+    }
+  }
+  static void store_int(int32_t* p, I a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
+  static I set1_int(int32_t x) { return _mm256_set1_epi32(x); }
+  static I and_int(I a, I b) { return _mm256_and_si256(a, b); }
+  static I shift_right(I a, int bits) { return _mm256_srli_epi32(a, bits); }
+  static I shift_right_signed(I a, int bits) { return _mm256_srai_epi32(a, bits); }
+  static I sum_quads(const I* a) {  // lane 4 p + j: the sum of a[j]'s 4 lanes in its 128-bit lane p (j < 4)
+    const I t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[0], a[1]), _mm256_unpackhi_epi32(a[0], a[1]));
+    const I t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2], a[3]), _mm256_unpackhi_epi32(a[2], a[3]));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+  }
 };
 
 #ifdef INFERLAB_AVX512
@@ -135,22 +163,45 @@ struct Lanes<16> {
   }
   static I zero_int() { return _mm512_setzero_si512(); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  static I dot_int16(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }  // VNNI: madd and add in one
   static V to_float(I a) { return _mm512_cvtepi32_ps(a); }
-  static float sum(I a) { return static_cast<float>(_mm512_reduce_add_epi32(a)); }
-  static I widen(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static I widen_half(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(0xFFFF, p)); }
-  static I load_int(const int16_t* p) { return _mm512_loadu_si512(p); }
-  static I low_nibbles(I bytes) { return _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F)); }
-  static I high_nibbles(I bytes) { return _mm512_srli_epi16(bytes, 4); }
-  static V per_block(const float* values) {
-    const __m512d low = _mm512_castps_pd(_mm512_set1_ps(values[0]));
-    return _mm512_castpd_ps(_mm512_insertf64x4(low, _mm256_castps_pd(_mm256_set1_ps(values[1])), 1));
+  static I load_int(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static I load_int(const int32_t* p, int n) { return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << n) - 1), p); }
+  static void transpose(I* r) {  // r[i] lane j -> r[j] lane i
+    I a[16], b[16];
+    for (int i = 0; i < 8; ++i) {
+      a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      for (int k = 0; k < 2; ++k) {
+        b[4 * i + 2 * k] = _mm512_unpacklo_epi64(a[4 * i + k], a[4 * i + k + 2]);
+        b[4 * i + 2 * k + 1] = _mm512_unpackhi_epi64(a[4 * i + k], a[4 * i + k + 2]);
+      }
+    }
+    for (int k = 0; k < 4; ++k) {  // 128-bit quarter j of b[4 i + k]: rows 4 i.. of column 4 j + k
+      const I s0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x44), s1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xEE);
+      const I s2 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x44), s3 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xEE);
+      r[k] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+      r[4 + k] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+      r[8 + k] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+      r[12 + k] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+    }
   }
   static I load_pairs(const at::BFloat16* p) { return _mm512_loadu_si512(p); }
   static I load_pairs_half(const at::BFloat16* p) { return _mm512_maskz_loadu_epi16(0xFFFF, p); }  // N bf16, the rest 0
   static V even_bf16(I pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
   static V odd_bf16(I pairs) { return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000))); }
+  static void store_int(int32_t* p, I a) { _mm512_storeu_si512(p, a); }
+  static I set1_int(int32_t x) { return _mm512_set1_epi32(x); }
+  static I and_int(I a, I b) { return _mm512_and_si512(a, b); }
+  static I shift_right(I a, int bits) { return _mm512_srli_epi32(a, bits); }
+  static I shift_right_signed(I a, int bits) { return _mm512_srai_epi32(a, bits); }
+  static I sum_quads(const I* a) {
+    const I t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+    const I t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+  }
+  static I dot_int16(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }  // VNNI: + pairs a.b
 };
 #else
 constexpr int kLanes = 8;
