@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from inferlab.engine.adaptive_k import BACKOFF, AdaptiveK, DraftCost, StepCost, best_k, draft_token_cost
+from inferlab.engine.adaptive_k import (
+    BACKOFF,
+    WINDOW,
+    AdaptiveK,
+    Calibration,
+    DraftCost,
+    StepCost,
+    best_k,
+    draft_token_cost,
+)
 
 
 def brute_force_k(acceptance: float, draft_cost: float, max_k: int) -> int:
@@ -56,7 +65,7 @@ def test_observe_counts_accepted_and_one_rejection():
 
 def test_step_cost_fits_seconds_per_step_and_per_row():
     cost = StepCost()
-    assert cost.fit() == (0.0, 0.0)
+    assert cost.fit() is None and cost.fit((0.01, 0.001)) == (0.01, 0.001)
     for rows in [8, 16, 56, 8, 24, 40] * 3:
         cost.observe(rows, 0.010 + 0.001 * rows)
     a, b = cost.fit()
@@ -68,6 +77,20 @@ def test_step_cost_without_varied_rows_charges_nothing_per_row():
     for _ in range(10):
         cost.observe(8, 0.02)
     assert cost.fit() == (pytest.approx(0.02), 0.0)
+    a, b = cost.fit((0.006, 0.001))  # a prior splits the step's seconds as it splits its own (0.014 at 8 rows)
+    assert a == pytest.approx(0.02 * 6 / 14) and b == pytest.approx(0.02 / 14)
+
+
+def test_step_cost_counts_the_fastest_recent_steps():
+    """A shared machine's stray slow steps (a verification of 7 rows, a plain step) move nothing: each row count's
+    fastest step of the window is the fit's."""
+    cost = StepCost()
+    for i in range(WINDOW):
+        for rows in (1, 7):
+            slowdown = 3.0 if i % 4 == rows % 4 else 1.0 + 0.01 * (i % 3)
+            cost.observe(rows, slowdown * (0.010 + 0.001 * rows))
+    a, b = cost.fit()
+    assert a == pytest.approx(0.010) and b == pytest.approx(0.001)
 
 
 def test_step_cost_follows_the_recent_steps():
@@ -82,6 +105,8 @@ def test_step_cost_follows_the_recent_steps():
 def test_a_draft_token_costs_its_drafting_and_its_row_over_the_sequences_share_of_a_step():
     step, draft = StepCost(), DraftCost()
     assert draft_token_cost(step, draft, 1) is None  # nothing timed: the drafter's bytes ratio serves
+    prior = Calibration(0.008, 0.002, 0.001)
+    assert draft_token_cost(step, draft, 1, prior) == pytest.approx(prior.token_cost()) == (0.002 + 0.001) / 0.010
     for rows in [1, 7, 8, 56]:
         step.observe(rows, 0.008 + 0.002 * rows)
     draft.observe(10, 0.010)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from test_scheduler import assert_single_request_tokens, check_invariants, operations, run_operations
 from test_spec import TOY_PROMPT, chi_square_pvalue, exact_sequence_probs, perturbed, toy_model
 
+from inferlab.engine.adaptive_k import draft_token_cost
 from inferlab.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.sampling import SamplingParams
@@ -197,12 +198,16 @@ def test_real_model_batched_spec_self_gives_spec_off_tokens(precision):
 
 
 def test_a_measured_draft_cost_is_what_adaptive_k_counts(tiny_tokenizer):
-    """measure_cost times both models' steps; step_cost (adaptive K's draft cost) and the startup line give it."""
+    """measure_cost times both models' steps; step_cost (adaptive K's draft cost), the engine loop's prior and the
+    startup line give it."""
     engine = loop_engine(tiny_tokenizer, None, kv_blocks=64)
     draft = drafter("draft", engine.model)
     bytes_cost = draft.step_cost(engine.model)
-    draft.measure_cost(engine.model, engine.fused)
-    assert draft.measured_cost is not None and draft.measured_cost > 0
-    assert draft.step_cost(engine.model) == draft.measured_cost != bytes_cost
+    draft.measure_cost(engine.model, engine.fused, rows=5)
+    calibration = draft.calibration
+    assert calibration is not None and calibration.a > 0 and calibration.b >= 0 and calibration.draft > 0
+    assert draft.step_cost(engine.model) == calibration.token_cost() != bytes_cost
     engine.speculation = Speculation(draft, 4, adaptive=True)
-    assert f"a draft step costs {draft.measured_cost:.2f} target steps" in engine.describe()
+    assert f"a draft token costs {calibration.token_cost():.2f} target steps" in engine.describe()
+    loop = engine.loop.speculation
+    assert draft_token_cost(loop.step_cost, loop.draft_cost, 1, draft.calibration) == calibration.token_cost()

@@ -170,7 +170,7 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
     )
     engine = InferenceEngine(loaded, config, speculation)
     if speculation is not None:  # adaptive K counts a draft step in target steps as timed here, not as bytes
-        speculation.drafter.measure_cost(loaded.model, engine.fused)
+        speculation.drafter.measure_cost(loaded.model, engine.fused, speculation.k + 1)
     return engine
 
 

@@ -1,18 +1,20 @@
 """How many tokens one sequence drafts next round, from how often its drafts were accepted so far.
 
 If each draft token is accepted with probability a, a round of k drafts emits 1 + a + ... + a^k tokens
-on average (the accepted run plus the target's own token) and costs one target step (the verification:
-on a CPU its k + 1 rows read the weights once, like a decode step) plus k draft steps of `draft_cost`
-target steps each (the bytes a draft step reads over the target's). Each round takes the k in 0..max_k
-with the most tokens per unit of cost (Leviathan et al. 2023, section 3.4). a is a running estimate
-per sequence: text the draft knows well gets long rounds, text it does not gets short ones.
+on average (the accepted run plus the target's own token) and costs one target step of k + 1 rows (the
+verification: on a CPU its rows read the weights once, like a decode step, plus each row's arithmetic) and
+k draft steps: 1 + k * `draft_cost` one-row target steps, a draft token costing its draft step and its
+verified row (Calibration, timed at load; the draft's bytes over the target's before that). Each round takes
+the k in 0..max_k with the most tokens per unit of cost (Leviathan et al. 2023, section 3.4). a is a running
+estimate per sequence: text the draft knows well gets long rounds, text it does not gets short ones.
 
 In the engine loop a verification is rows of a batched step, and there each row costs: at c=8 the step's
 8 x (k + 1) rows take several one-row steps' time (the lm_head and attention per row, the kernel's rows per
 pass), and so do the draft's rows. The loop times both: StepCost fits its decode steps as seconds = a + b * rows,
-DraftCost its drafting per drafted token; one draft token then costs (b + drafting) over the sequence's share of
-a plain step, (a + b * B) / B for B decodes (draft_token_cost): small for one sequence, large under load, where
-speculation then falls back to plain decoding.
+DraftCost its drafting per drafted token, each from the fastest of its recent timings (the load-time Calibration
+until it has its own); one draft token then costs (b + drafting) over the sequence's share of a plain step,
+(a + b * B) / B for B decodes (draft_token_cost): small for one sequence, large under load, where speculation
+then falls back to plain decoding.
 
 When even k = 1 costs more than it brings (a < the draft token's cost), the sequence decodes plainly for BACKOFF
 tokens, then probes with one round of at least one draft: speculation resumes where it pays again.
@@ -21,13 +23,14 @@ The choice only ever depends on past rounds, so it keeps speculative sampling ex
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
 PRIOR = 0.8  # acceptance assumed before any evidence: a draft is used because it usually agrees
 WEIGHT = 0.1  # each accepted or rejected draft token moves the estimate this far towards 1 or 0 (~10-token memory)
 BACKOFF = 16  # plain decoding steps after speculation stopped paying, before the next probe
-DECAY = 0.98  # each step's weight in the step-cost fit shrinks by this per later step (~50-step memory)
-MIN_ROWS_VARIANCE = 1.0  # rows^2: below it the steps seen do not tell a row's cost from the step's
+WINDOW = 32  # the recent steps (and draftings) whose costs adaptive K counts
 
 
 @dataclass
@@ -73,48 +76,74 @@ def best_k(acceptance: float, draft_cost: float, max_k: int) -> int:
     return best
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """A drafter's costs timed at load (drafters.ModelDrafter.measure_cost), what adaptive K counts until the engine
+    loop has timed its own: a target step of `rows` rows takes a + b * rows seconds, a draft token `draft`."""
+
+    a: float
+    b: float
+    draft: float
+
+    def token_cost(self) -> float:
+        """One draft token (its draft step and its verified row) of one sequence, in its one-row target steps."""
+        return (self.draft + self.b) / (self.a + self.b)
+
+
 @dataclass
 class StepCost:
-    """A target step's seconds as a + b * rows, least squares over the steps seen (each weighted DECAY^age).
-    Until the steps seen vary in rows, b = 0: a verification costs one step whatever its rows."""
+    """A target step's seconds as a + b * rows: a least-squares line through the fastest of the last WINDOW steps at
+    each row count (others on a shared machine only ever slow a step down: a mean of them read a stray slow
+    verification as a costly row, and with a few rows' spread a steep b left a near 0, so that a draft token cost
+    more than a step and sequences went to plain decoding). Steps of one row count alone split a step into a and b
+    as the prior (a, b) does; without a prior, b = 0."""
 
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weights, rows, rows^2, seconds, rows * seconds
+    steps: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def observe(self, rows: int, seconds: float) -> None:
-        self.sums = [DECAY * s for s in self.sums]
-        for i, value in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
-            self.sums[i] += value
+        self.steps.append((rows, seconds))
 
-    def fit(self) -> tuple[float, float]:
-        """(a, b): seconds per step and per row, both >= 0; (0, 0) before any step."""
-        w, r, rr, t, rt = self.sums
-        if w == 0:
-            return 0.0, 0.0
-        mean_r, mean_t = r / w, t / w
-        variance = rr / w - mean_r * mean_r
-        b = max(0.0, (rt / w - mean_r * mean_t) / variance) if variance >= MIN_ROWS_VARIANCE else 0.0
-        return max(0.0, mean_t - b * mean_r), b
+    def fit(self, prior: tuple[float, float] | None = None) -> tuple[float, float] | None:
+        """(a, b): seconds per step and per row, both >= 0; `prior` before any step (None without one)."""
+        fastest: dict[int, float] = {}
+        for rows, seconds in self.steps:
+            fastest[rows] = min(seconds, fastest.get(rows, math.inf))
+        if len(fastest) < 2:
+            if not fastest:
+                return prior
+            ((rows, seconds),) = fastest.items()
+            a, b = prior if prior is not None else (1.0, 0.0)
+            b = seconds * b / (a + b * rows)
+            return seconds - b * rows, b
+        n = len(fastest)
+        mean_r, mean_t = sum(fastest) / n, sum(fastest.values()) / n
+        slope = sum((r - mean_r) * (t - mean_t) for r, t in fastest.items()) / sum((r - mean_r) ** 2 for r in fastest)
+        b = min(max(0.0, slope), mean_t / mean_r)
+        return mean_t - b * mean_r, b
 
 
 @dataclass
 class DraftCost:
-    """Seconds of drafting per drafted token (a draft step's rows, its catching up on accepted tokens), over the
-    recent steps (each weighted DECAY^age)."""
+    """Seconds of drafting per drafted token (a draft step's rows, its catching up on accepted tokens): the fastest of
+    the last WINDOW draftings, as StepCost counts steps."""
 
-    seconds: float = 0.0
-    tokens: float = 0.0
+    per_token_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def observe(self, tokens: int, seconds: float) -> None:
-        self.seconds, self.tokens = DECAY * self.seconds + seconds, DECAY * self.tokens + tokens
+        self.per_token_seconds.append(seconds / tokens)
 
-    def per_token(self) -> float | None:
-        return self.seconds / self.tokens if self.tokens else None
+    def per_token(self, prior: float | None = None) -> float | None:
+        return min(self.per_token_seconds) if self.per_token_seconds else prior
 
 
-def draft_token_cost(step: StepCost, draft: DraftCost, decodes: int) -> float | None:
+def draft_token_cost(step: StepCost, draft: DraftCost, decodes: int, prior: Calibration | None = None) -> float | None:
     """One more draft token of a sequence (its drafting and its verified row), over the sequence's share of a plain
-    step of `decodes` decodes; None until the loop has timed both."""
-    a, b = step.fit()
+    step of `decodes` decodes; what `prior` (the load-time timing) gives until the loop has timed its own, None
+    without either."""
+    fit = step.fit((prior.a, prior.b) if prior is not None else None)
+    drafting = draft.per_token(prior.draft if prior is not None else None)
+    if fit is None or drafting is None:
+        return None
+    a, b = fit
     share = (a + b * decodes) / max(decodes, 1)
-    drafting = draft.per_token()
-    return (b + drafting) / share if drafting is not None and share > 0 else None
+    return (b + drafting) / share if share > 0 else None

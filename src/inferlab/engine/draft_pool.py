@@ -26,7 +26,7 @@ from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, Proposal
 from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.kv_cache import compute_kv_cache_bytes
 from inferlab.engine.paged import PagedKVCache
-from inferlab.engine.sampling import probabilities
+from inferlab.engine.sampling import draw, probabilities
 from inferlab.engine.sequence import Request
 
 
@@ -126,7 +126,7 @@ class ModelDrafts(LoopDrafts):
             confidence = float(torch.softmax(logits.float(), -1)[token]) if self.drafter.min_confidence else 1.0
             return token, confidence
         q = probabilities(logits, params)
-        token = int(torch.multinomial(q, 1, generator=request.generator))
+        token = draw(q, request.generator)
         dists.append(q)
         return token, float(q[token])
 

@@ -9,6 +9,8 @@ resetting a length, and its own fused C++ decode step where the kernels apply), 
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -18,8 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from inferlab.engine.adaptive_k import Calibration
 from inferlab.engine.kv_cache import CachedAttend, KVCache
-from inferlab.engine.sampling import SamplingParams, probabilities
+from inferlab.engine.sampling import SamplingParams, draw, probabilities
 from inferlab.errors import ModelLoadError
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer
@@ -28,7 +31,7 @@ from inferlab.quant.apply import weight_bytes
 from inferlab.quant.self_draft import self_draft
 
 MEASURE_CONTEXT = 32  # tokens before the timed steps (measure_cost)
-MEASURE_REPEATS = 8  # timed one-token steps of each model
+MEASURE_REPEATS = 8  # timed steps of each kind (measure_cost)
 
 
 class ModelRunner:
@@ -93,6 +96,7 @@ class DraftState(ABC):
 
 class Drafter(ABC):
     name: str
+    calibration: Calibration | None = None  # the costs measure_cost timed, the engine loop's prior
 
     @abstractmethod
     def start(self, capacity: int) -> DraftState:
@@ -109,8 +113,9 @@ class Drafter(ABC):
         """One draft step in target decode steps (engine/adaptive_k.py)."""
         return 0.0
 
-    def measure_cost(self, target: Transformer, target_fused: FusedDecode | None) -> None:
-        """Time a draft step against a target step, for `step_cost` (drafters without a model cost nothing)."""
+    def measure_cost(self, target: Transformer, target_fused: FusedDecode | None, rows: int = 1) -> None:
+        """Time a draft step against target steps of 1 and `rows` rows, for `step_cost` and `calibration` (drafters
+        without a model cost nothing)."""
 
 
 # ---- n-gram prompt lookup ------------------------------------------------------------------------
@@ -167,7 +172,7 @@ class ModelDrafter(Drafter):
     fused: FusedDecode | None = None  # the draft's own fused decode step (build_fused); None: the Python model
     # the target's own weights (spec=self): in the engine loop it drafts over the target's KV (engine/draft_pool.py)
     target_kv: bool = False
-    measured_cost: float | None = None  # measure_cost's, which step_cost then gives
+    calibration: Calibration | None = None  # measure_cost's, which step_cost and the engine loop's prior are
 
     def start(self, capacity: int) -> DraftState:
         return ModelDraftState(ModelRunner(self.model, capacity, self.fused), self.min_confidence)
@@ -179,27 +184,36 @@ class ModelDrafter(Drafter):
         self.fused = FusedDecode.build(self.model, device, dtype, kernels)
 
     def step_cost(self, target: Transformer) -> float:
-        """As measured, else what decoding reads every step: the draft's bytes over the target's."""
-        if self.measured_cost is not None:
-            return self.measured_cost
+        """As measured (a draft token: its draft step and its verified row), else what decoding reads every step:
+        the draft's bytes over the target's."""
+        if self.calibration is not None:
+            return self.calibration.token_cost()
         return weight_bytes(self.model) / weight_bytes(target)
 
     @torch.inference_mode()
-    def measure_cost(self, target: Transformer, target_fused: FusedDecode | None) -> None:
-        """One-token steps of both after a short context, the fastest of MEASURE_REPEATS each (others on the
-        machine only ever slow a step down). Bytes are not the whole cost: SmolLM2's int4 self draft reads
-        0.8x an int8 target's bytes but measured 1.03x its step (AVX-512), so adaptive K decodes plainly there."""
-        best = []
-        for model, fused in ((target, target_fused), (self.model, self.fused)):
-            runner = ModelRunner(model, MEASURE_CONTEXT + MEASURE_REPEATS, fused)
+    def measure_cost(self, target: Transformer, target_fused: FusedDecode | None, rows: int = 1) -> None:
+        """A target step of one row and of `rows` rows and a draft step of one, after a short context, taken in turn
+        MEASURE_REPEATS times, the fastest of each (others on the machine only ever slow a step down; timed one
+        model after the other, a burst of load on the machine while the draft's steps ran read as a draft step
+        costing 1.05 fp32 target steps one load and 0.15 the next). Bytes are not the whole cost: SmolLM2's int4
+        self draft reads 0.8x an int8 target's bytes but measured 1.03x its step (AVX-512)."""
+        target_runner = ModelRunner(target, MEASURE_CONTEXT + rows, target_fused)
+        draft_runner = ModelRunner(self.model, MEASURE_CONTEXT + 1, self.fused)
+        for runner in (target_runner, draft_runner):
             runner.forward(list(range(MEASURE_CONTEXT)), last_only=True)
-            seconds = []
-            for _ in range(MEASURE_REPEATS):
+        timings = [
+            functools.partial(runner.verify_rows, [1] * n)
+            for runner, n in ((target_runner, 1), (target_runner, rows), (draft_runner, 1))
+        ]
+        fastest = [math.inf] * len(timings)
+        for _ in range(MEASURE_REPEATS):
+            for i, run in enumerate(timings):
                 start = time.perf_counter()
-                runner.forward([1], last_only=True)
-                seconds.append(time.perf_counter() - start)
-            best.append(min(seconds))
-        self.measured_cost = best[1] / best[0]
+                run()
+                fastest[i] = min(fastest[i], time.perf_counter() - start)
+        one, many, draft = fastest
+        b = max(0.0, (many - one) / (rows - 1)) if rows > 1 else 0.0
+        self.calibration = Calibration(one - b, b, draft)
 
 
 @dataclass
@@ -222,7 +236,7 @@ class ModelDraftState(DraftState):
                 confidence = float(torch.softmax(logits.float(), -1)[token]) if self.min_confidence else 1.0
             else:
                 q = probabilities(logits, params)
-                token = int(torch.multinomial(q, 1, generator=generator))
+                token = draw(q, generator)
                 dists.append(q)
                 confidence = float(q[token])
             tokens.append(token)

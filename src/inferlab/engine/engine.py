@@ -409,7 +409,7 @@ class InferenceEngine:
             s = self.speculation
             parts.append(
                 f"spec={s.drafter.name} (K <= {s.k}{', adaptive' if s.adaptive else ''}; "
-                f"a draft step costs {s.drafter.step_cost(self.model):.2f} target steps)"
+                f"a draft token costs {s.drafter.step_cost(self.model):.2f} target steps)"
             )
         return ", ".join(parts)
 

@@ -50,7 +50,8 @@ class LoopSpeculation:
         self.drafts.retain(running)
         for request in [r for r in self.policies if r not in running]:
             del self.policies[request]
-        token_cost = draft_token_cost(self.step_cost, self.draft_cost, len(batch.decodes))
+        prior = self.speculation.drafter.calibration
+        token_cost = draft_token_cost(self.step_cost, self.draft_cost, len(batch.decodes), prior)
         wants = [(r, self._k(r, room, token_cost)) for r, room in zip(batch.decodes, batch.lookahead) if room]
         calls, start = self.drafts.calls, time.perf_counter()
         proposals = self.drafts.propose(wants)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from inferlab.engine.adaptive_k import AdaptiveK
 from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, ModelRunner, Proposal, build_drafter
-from inferlab.engine.sampling import SamplingParams, argmax_rows, probabilities
+from inferlab.engine.sampling import SamplingParams, argmax_rows, draw, probabilities
 from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer
@@ -114,7 +114,7 @@ def verify(p: Tensor, drafts: list[int], q: Tensor | None, generator: torch.Gene
     accept = torch.rand(k, device=p.device, generator=generator) < acceptance_probability(p[rows, d], q[rows, d])
     n = int(accept.long().cumprod(0).sum()) if k else 0
     final = residual_distribution(p[n], q[n]) if n < k else p[k]
-    return n, int(torch.multinomial(final, 1, generator=generator))
+    return n, draw(final, generator)
 
 
 def verify_greedy(target_logits: Tensor, drafts: list[int]) -> tuple[int, int]:
