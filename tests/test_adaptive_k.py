@@ -6,6 +6,7 @@ import pytest
 
 from inferlab.engine.adaptive_k import (
     BACKOFF,
+    MIN_SAMPLES,
     WINDOW,
     AdaptiveK,
     Calibration,
@@ -66,7 +67,7 @@ def test_observe_counts_accepted_and_one_rejection():
 def test_step_cost_fits_seconds_per_step_and_per_row():
     cost = StepCost()
     assert cost.fit() is None and cost.fit((0.01, 0.001)) == (0.01, 0.001)
-    for rows in [8, 16, 56, 8, 24, 40] * 3:
+    for rows in [8, 16, 56, 24, 40] * MIN_SAMPLES:
         cost.observe(rows, 0.010 + 0.001 * rows)
     a, b = cost.fit()
     assert a == pytest.approx(0.010) and b == pytest.approx(0.001)
@@ -102,18 +103,46 @@ def test_step_cost_follows_the_recent_steps():
     assert cost.fit()[1] == pytest.approx(0.002, rel=0.05)
 
 
+def steps_of(rows: list[int], seconds=lambda rows: 0.008 + 0.002 * rows) -> StepCost:
+    step = StepCost()
+    for _ in range(MIN_SAMPLES):
+        for r in rows:
+            step.observe(r, seconds(r))
+    return step
+
+
+def test_step_cost_takes_the_priors_line_until_enough_rows_are_timed():
+    """A few timings of a row count, or row counts close together, do not fit a line: the prior's, at their level."""
+    step = StepCost()
+    for rows in [1, 7, 8, 56]:
+        step.observe(rows, 2 * (0.008 + 0.002 * rows))  # a busier machine than at load
+    assert step.fit((0.008, 0.002)) == (pytest.approx(0.016), pytest.approx(0.004))
+    close = steps_of([5, 6], lambda rows: 0.030 - 0.002 * rows)  # noise: more rows seemingly faster
+    assert close.fit((0.008, 0.002)) == (pytest.approx(0.9 * 0.008), pytest.approx(0.9 * 0.002))  # 0.018 s at 6 rows
+
+
 def test_a_draft_token_costs_its_drafting_and_its_row_over_the_sequences_share_of_a_step():
     step, draft = StepCost(), DraftCost()
     assert draft_token_cost(step, draft, 1) is None  # nothing timed: the drafter's bytes ratio serves
     prior = Calibration(0.008, 0.002, 0.001)
     assert draft_token_cost(step, draft, 1, prior) == pytest.approx(prior.token_cost()) == (0.002 + 0.001) / 0.010
-    for rows in [1, 7, 8, 56]:
-        step.observe(rows, 0.008 + 0.002 * rows)
-    draft.observe(10, 0.010)
-    draft.observe(30, 0.030)  # a millisecond per drafted token
+    step = steps_of([1, 7, 8, 56])
+    assert draft_token_cost(step, draft, 1, Calibration(0.004, 0.001, 0.0005)) == pytest.approx(prior.token_cost())
+    for tokens in [10, 30] * MIN_SAMPLES:
+        draft.observe(tokens, 0.001 * tokens)  # a millisecond per drafted token
     assert draft.per_token() == pytest.approx(0.001)
     assert draft_token_cost(step, draft, 1) == pytest.approx((0.002 + 0.001) / 0.010)
     assert draft_token_cost(step, draft, 8) == pytest.approx((0.002 + 0.001) / (0.024 / 8))
+
+
+def test_a_prior_timed_in_a_burst_of_load_gives_way_to_faster_drafting():
+    """Timed at load while the machine was busy, a draft token read as costing more than a step (speculation would
+    not pay); one faster drafting in the loop, and the sequence's drafts cost what the loop timed."""
+    step, draft = steps_of([1, 7]), DraftCost()
+    prior = Calibration(0.008, 0.002, 0.012)
+    assert draft_token_cost(step, draft, 1, prior) == pytest.approx(1.4)
+    draft.observe(4, 0.004)
+    assert draft_token_cost(step, draft, 1, prior) == pytest.approx((0.002 + 0.001) / 0.010)
 
 
 @pytest.mark.parametrize("decodes, expected", [(1, 4), (8, 0)])
@@ -121,10 +150,9 @@ def test_k_given_measured_costs(decodes, expected):
     """A self draft accepted 88%, on steps of 8 ms plus 2 ms a row and a millisecond of drafting per token: one
     sequence gains from rounds of 4 (a draft token at 0.3 of its 10 ms step); at c=8 a draft token costs as much
     as the sequence's share of the step (3 ms of 24 / 8) and the sequence decodes plainly."""
-    step, draft = StepCost(), DraftCost()
-    for rows in [1, 7, 8, 56, 16, 24]:
-        step.observe(rows, 0.008 + 0.002 * rows)
-    draft.observe(8, 0.008)
+    step, draft = steps_of([1, 7, 8, 56, 16, 24]), DraftCost()
+    for _ in range(MIN_SAMPLES):
+        draft.observe(8, 0.008)
     cost = draft_token_cost(step, draft, decodes)
     policy = AdaptiveK(max_k=6, draft_cost=0.25, acceptance=0.88)
     assert policy.next_k(cost) == expected == brute_force_k(0.88, cost, 6)

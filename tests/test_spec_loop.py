@@ -205,9 +205,9 @@ def test_a_measured_draft_cost_is_what_adaptive_k_counts(tiny_tokenizer):
     bytes_cost = draft.step_cost(engine.model)
     draft.measure_cost(engine.model, engine.fused, rows=5)
     calibration = draft.calibration
-    assert calibration is not None and calibration.a > 0 and calibration.b >= 0 and calibration.draft > 0
+    assert calibration is not None and calibration.a >= 0 and calibration.b >= 0 and calibration.draft > 0
     assert draft.step_cost(engine.model) == calibration.token_cost() != bytes_cost
     engine.speculation = Speculation(draft, 4, adaptive=True)
     assert f"a draft token costs {calibration.token_cost():.2f} target steps" in engine.describe()
     loop = engine.loop.speculation
-    assert draft_token_cost(loop.step_cost, loop.draft_cost, 1, draft.calibration) == calibration.token_cost()
+    assert draft_token_cost(loop.step_cost, loop.draft_cost, 1, calibration) == pytest.approx(calibration.token_cost())

@@ -24,13 +24,15 @@ The choice only ever depends on past rounds, so it keeps speculative sampling ex
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 PRIOR = 0.8  # acceptance assumed before any evidence: a draft is used because it usually agrees
 WEIGHT = 0.1  # each accepted or rejected draft token moves the estimate this far towards 1 or 0 (~10-token memory)
 BACKOFF = 16  # plain decoding steps after speculation stopped paying, before the next probe
 WINDOW = 32  # the recent steps (and draftings) whose costs adaptive K counts
+MIN_SAMPLES = 4  # timings of a row count before its fastest is a point of the fitted line
+MIN_SPREAD = 3  # rows between the fewest and most rows timed before a row's cost is fitted
 
 
 @dataclass
@@ -92,11 +94,12 @@ class Calibration:
 
 @dataclass
 class StepCost:
-    """A target step's seconds as a + b * rows: a least-squares line through the fastest of the last WINDOW steps at
-    each row count (others on a shared machine only ever slow a step down: a mean of them read a stray slow
-    verification as a costly row, and with a few rows' spread a steep b left a near 0, so that a draft token cost
-    more than a step and sequences went to plain decoding). Steps of one row count alone split a step into a and b
-    as the prior (a, b) does; without a prior, b = 0."""
+    """A target step's seconds as a + b * rows, from the fastest of the last WINDOW steps at each row count (others on
+    a shared machine only ever slow a step down: a decayed mean of them read a stray slow verification as a costly
+    row, and with a few rows' spread a steep b left a near 0, a draft token costing more than a step, so that
+    sequences went to plain decoding). A least-squares line through the row counts seen MIN_SAMPLES times once they
+    span MIN_SPREAD rows; before that the prior's line (the load-time timing; without one, b = 0) scaled to the
+    fastest step seen."""
 
     steps: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
@@ -105,19 +108,20 @@ class StepCost:
 
     def fit(self, prior: tuple[float, float] | None = None) -> tuple[float, float] | None:
         """(a, b): seconds per step and per row, both >= 0; `prior` before any step (None without one)."""
+        if not self.steps:
+            return prior
         fastest: dict[int, float] = {}
         for rows, seconds in self.steps:
             fastest[rows] = min(seconds, fastest.get(rows, math.inf))
-        if len(fastest) < 2:
-            if not fastest:
-                return prior
-            ((rows, seconds),) = fastest.items()
+        counts = Counter(rows for rows, _ in self.steps)
+        seen = {rows: seconds for rows, seconds in fastest.items() if counts[rows] >= MIN_SAMPLES}
+        if len(seen) < 2 or max(seen) - min(seen) < MIN_SPREAD:
             a, b = prior if prior is not None else (1.0, 0.0)
-            b = seconds * b / (a + b * rows)
-            return seconds - b * rows, b
-        n = len(fastest)
-        mean_r, mean_t = sum(fastest) / n, sum(fastest.values()) / n
-        slope = sum((r - mean_r) * (t - mean_t) for r, t in fastest.items()) / sum((r - mean_r) ** 2 for r in fastest)
+            scale = min(seconds / (a + b * rows) for rows, seconds in fastest.items())
+            return a * scale, b * scale
+        n = len(seen)
+        mean_r, mean_t = sum(seen) / n, sum(seen.values()) / n
+        slope = sum((r - mean_r) * (t - mean_t) for r, t in seen.items()) / sum((r - mean_r) ** 2 for r in seen)
         b = min(max(0.0, slope), mean_t / mean_r)
         return mean_t - b * mean_r, b
 
@@ -125,25 +129,30 @@ class StepCost:
 @dataclass
 class DraftCost:
     """Seconds of drafting per drafted token (a draft step's rows, its catching up on accepted tokens): the fastest of
-    the last WINDOW draftings, as StepCost counts steps."""
+    the last WINDOW draftings."""
 
     per_token_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def observe(self, tokens: int, seconds: float) -> None:
         self.per_token_seconds.append(seconds / tokens)
 
-    def per_token(self, prior: float | None = None) -> float | None:
-        return min(self.per_token_seconds) if self.per_token_seconds else prior
+    def per_token(self) -> float | None:
+        return min(self.per_token_seconds, default=None)
 
 
 def draft_token_cost(step: StepCost, draft: DraftCost, decodes: int, prior: Calibration | None = None) -> float | None:
     """One more draft token of a sequence (its drafting and its verified row), over the sequence's share of a plain
-    step of `decodes` decodes; what `prior` (the load-time timing) gives until the loop has timed its own, None
-    without either."""
+    step of `decodes` decodes; None before anything is timed. `prior` (the load-time timing) counts as one more
+    timing of each, scaled to the steps the loop has timed (the machine may be busier or quieter now): a timing
+    taken in a burst of load never keeps a sequence from drafting once the loop has drafted faster than that."""
     fit = step.fit((prior.a, prior.b) if prior is not None else None)
-    drafting = draft.per_token(prior.draft if prior is not None else None)
-    if fit is None or drafting is None:
+    if fit is None:
         return None
     a, b = fit
+    timed = [t for t in (draft.per_token(),) if t is not None]
+    if prior is not None:
+        timed.append(prior.draft * (a + b) / (prior.a + prior.b))
+    if not timed:
+        return None
     share = (a + b * decodes) / max(decodes, 1)
-    return (b + drafting) / share if share > 0 else None
+    return (b + min(timed)) / share if share > 0 else None

@@ -10,7 +10,7 @@ resetting a length, and its own fused C++ decode step where the kernels apply), 
 from __future__ import annotations
 
 import functools
-import math
+import statistics
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -193,26 +193,30 @@ class ModelDrafter(Drafter):
     @torch.inference_mode()
     def measure_cost(self, target: Transformer, target_fused: FusedDecode | None, rows: int = 1) -> None:
         """A target step of one row and of `rows` rows and a draft step of one, after a short context, taken in turn
-        MEASURE_REPEATS times, the fastest of each (others on the machine only ever slow a step down; timed one
-        model after the other, a burst of load on the machine while the draft's steps ran read as a draft step
-        costing 1.05 fp32 target steps one load and 0.15 the next). Bytes are not the whole cost: SmolLM2's int4
-        self draft reads 0.8x an int8 target's bytes but measured 1.03x its step (AVX-512)."""
+        MEASURE_REPEATS times: the fastest one-row target step, the others as the median of their ratios to the
+        one-row step of their turn (timed one model after the other, a burst of load on the machine while the
+        draft's steps ran read as a draft step costing 1.05 fp32 target steps one load and 0.15 the next; the fastest
+        of each, 0.1-0.6 on a busy machine). Bytes are not the whole cost: SmolLM2's int4 self draft reads 0.8x an
+        int8 target's bytes but measured 1.03x its step (AVX-512)."""
         target_runner = ModelRunner(target, MEASURE_CONTEXT + rows, target_fused)
         draft_runner = ModelRunner(self.model, MEASURE_CONTEXT + 1, self.fused)
         for runner in (target_runner, draft_runner):
             runner.forward(list(range(MEASURE_CONTEXT)), last_only=True)
-        timings = [
+        runs = [
             functools.partial(runner.verify_rows, [1] * n)
             for runner, n in ((target_runner, 1), (target_runner, rows), (draft_runner, 1))
         ]
-        fastest = [math.inf] * len(timings)
+        turns = []
         for _ in range(MEASURE_REPEATS):
-            for i, run in enumerate(timings):
+            turn = []
+            for run in runs:
                 start = time.perf_counter()
                 run()
-                fastest[i] = min(fastest[i], time.perf_counter() - start)
-        one, many, draft = fastest
-        b = max(0.0, (many - one) / (rows - 1)) if rows > 1 else 0.0
+                turn.append(time.perf_counter() - start)
+            turns.append(turn)
+        one = min(t[0] for t in turns)
+        many, draft = (one * statistics.median(t[i] / t[0] for t in turns) for i in (1, 2))
+        b = min(max(0.0, (many - one) / (rows - 1)), one) if rows > 1 else 0.0
         self.calibration = Calibration(one - b, b, draft)
 
 
