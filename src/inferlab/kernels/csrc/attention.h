@@ -6,8 +6,8 @@
 // time on set-up at this size (measured here: ~50 us per layer in fp32, ~170 us in bf16, for a
 // 9-head, 256-token cache), which this loop does not have. Keys live in blocks of a pool found
 // through each sequence's block table (the contiguous cache is the case of one block per slot).
-// Query heads share key/value heads in groups (GQA); exp is a vectorized polynomial with relative
-// error below 2e-7. Used by the `decode_attention` op and the whole decode step (decode_step.cpp).
+// Query heads sharing a key/value head (GQA) are attended in one pass over its keys; exp is a
+// vectorized polynomial with relative error below 2e-7. Used by the `decode_attention` op and the whole decode step (decode_step.cpp).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -136,41 +136,61 @@ struct SequenceBlocks {
   }
 };
 
-// out (D,) = softmax(q . k_l * scale over l < L) @ v, q (D,) fp32, over head h of one sequence's keys
-// (int8 rows: q . codes times the row's scale, and each value row's weight times its scale)
+constexpr int64_t kMaxGroup = 8;  // query heads attended in one pass over the keys they share
+
+// out + g * D (D,) = softmax(q_g . k_l * scale over l < L) @ v for the G query heads q + g * D (fp32) that share
+// head h of one sequence's keys and values: one pass over the keys and one over the values for all G, each
+// head's arithmetic in the same order as alone (int8 rows: q . codes times the row's scale, and each value
+// row's weight times its scale). Under GQA this reads the cache once per key/value head, not per query head.
 template <typename T>
-void attend_head(const float* q, const KvPool<T>& keys, const KvPool<T>& values, const int64_t* table, int64_t h,
-                 int64_t L, int64_t D, float scale, float* out) {
-  using S = Narrow;  // head_dim in steps of 8 lanes, whatever the build's widest (attention is a few % of a step)
+void attend_heads(const float* q, const KvPool<T>& keys, const KvPool<T>& values, const int64_t* table, int64_t h,
+                  int64_t G, int64_t L, int64_t D, float scale, float* out) {
+  using S = Narrow;  // head_dim in steps of 8 lanes, whatever the build's widest
   const int64_t V = D / 8;
-  S::V qv[kMaxHeadDim / 8];
-  for (int64_t j = 0; j < V; ++j) qv[j] = S::mul(S::load(q + 8 * j), S::set1(scale));
-  std::vector<float> p(L);
-  float max_score = -std::numeric_limits<float>::infinity();
-  keys.for_each_row(table, h, L, [&](int64_t l, const T* key, float key_scale) {
-    S::V acc = S::mul(qv[0], S::load(key));
-    for (int64_t j = 1; j < V; ++j) acc = S::fmadd(qv[j], S::load(key + 8 * j), acc);
-    p[l] = S::sum(acc) * key_scale;
-    max_score = std::max(max_score, p[l]);
-  });
-  const S::V max8 = S::set1(max_score);
-  S::V sum8 = S::zero();
-  int64_t l = 0;
-  for (; l + 8 <= L; l += 8) {
-    const S::V e = exp<S>(S::sub(S::load(p.data() + l), max8));
-    S::store(p.data() + l, e);
-    sum8 = S::add(sum8, e);
+  S::V qv[kMaxGroup][kMaxHeadDim / 8];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t j = 0; j < V; ++j) qv[g][j] = S::mul(S::load(q + g * D + 8 * j), S::set1(scale));
   }
-  float sum = S::sum(sum8);
-  for (; l < L; ++l) sum += (p[l] = std::exp(p[l] - max_score));
-  S::V acc[kMaxHeadDim / 8];
-  for (int64_t j = 0; j < V; ++j) acc[j] = S::zero();
-  values.for_each_row(table, h, L, [&](int64_t l, const T* value, float value_scale) {
-    const S::V weight = S::set1(p[l] * value_scale);
-    for (int64_t j = 0; j < V; ++j) acc[j] = S::fmadd(weight, S::load(value + 8 * j), acc[j]);
+  std::vector<float> p(G * L);  // head g's scores, then weights, at p[g * L + l]
+  float max_score[kMaxGroup];
+  std::fill(max_score, max_score + G, -std::numeric_limits<float>::infinity());
+  keys.for_each_row(table, h, L, [&](int64_t l, const T* key, float key_scale) {
+    for (int64_t g = 0; g < G; ++g) {
+      S::V acc = S::mul(qv[g][0], S::load(key));
+      for (int64_t j = 1; j < V; ++j) acc = S::fmadd(qv[g][j], S::load(key + 8 * j), acc);
+      p[g * L + l] = S::sum(acc) * key_scale;
+      max_score[g] = std::max(max_score[g], p[g * L + l]);
+    }
   });
-  const S::V inv_sum = S::set1(1.0f / sum);
-  for (int64_t j = 0; j < V; ++j) S::store(out + 8 * j, S::mul(acc[j], inv_sum));
+  float inv_sum[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    float* pg = p.data() + g * L;
+    const S::V max8 = S::set1(max_score[g]);
+    S::V sum8 = S::zero();
+    int64_t l = 0;
+    for (; l + 8 <= L; l += 8) {
+      const S::V e = exp<S>(S::sub(S::load(pg + l), max8));
+      S::store(pg + l, e);
+      sum8 = S::add(sum8, e);
+    }
+    float sum = S::sum(sum8);
+    for (; l < L; ++l) sum += (pg[l] = std::exp(pg[l] - max_score[g]));
+    inv_sum[g] = 1.0f / sum;
+  }
+  S::V acc[kMaxGroup][kMaxHeadDim / 8];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t j = 0; j < V; ++j) acc[g][j] = S::zero();
+  }
+  values.for_each_row(table, h, L, [&](int64_t l, const T* value, float value_scale) {
+    for (int64_t j = 0; j < V; ++j) {
+      const S::V x = S::load(value + 8 * j);
+      for (int64_t g = 0; g < G; ++g) acc[g][j] = S::fmadd(S::set1(p[g * L + l] * value_scale), x, acc[g][j]);
+    }
+  });
+  for (int64_t g = 0; g < G; ++g) {
+    const S::V inv = S::set1(inv_sum[g]);
+    for (int64_t j = 0; j < V; ++j) S::store(out + g * D + 8 * j, S::mul(acc[g][j], inv));
+  }
 }
 
 // For each of B sequences: write k, v (H_kv, D) at its position into the pools, then attend its q (H, D)
@@ -190,13 +210,20 @@ void write_and_attend(const float* q, const float* k, const float* v, const KvPo
     }
     keys += H * (positions[b] + 1);
   }
+  // a task attends `per_task` query heads of one key/value head (all of its group, up to kMaxGroup), or one head
+  // where that leaves too few tasks to share among the threads (a lone sequence)
   const int64_t group = H / H_kv;
-  const int64_t grain = keys < kKeysPerThread ? B * H : 1;
-  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+  const int64_t per_task = B * H_kv >= 2 * at::get_num_threads() ? std::min(group, kMaxGroup) : 1;
+  const int64_t tasks_per_head = (group + per_task - 1) / per_task, tasks = B * H_kv * tasks_per_head;
+  const int64_t grain = keys < kKeysPerThread ? tasks : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / H, h = i % H;
-      attend_head(q + i * D, k_pool, v_pool, tables + b * table_width, h / group, positions[b] + 1, D, scale,
-                  out + i * D);
+      const int64_t b = i / (H_kv * tasks_per_head), h_kv = i / tasks_per_head % H_kv;
+      const int64_t first = h_kv * group + i % tasks_per_head * per_task;  // its first query head
+      const int64_t n = std::min(per_task, (h_kv + 1) * group - first);
+      const int64_t offset = (b * H + first) * D;
+      attend_heads(q + offset, k_pool, v_pool, tables + b * table_width, h_kv, n, positions[b] + 1, D, scale,
+                   out + offset);
     }
   });
 }
