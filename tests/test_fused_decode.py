@@ -10,7 +10,7 @@ from inferlab.engine.drafters import ModelRunner
 from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.kernels.build import cpu_gemv_available
-from inferlab.kernels.fused_decode import FUSED_MAX_ROWS, INT4_FUSED_MAX_ROWS, FusedDecode, many_rows_limit
+from inferlab.kernels.fused_decode import FUSED_MAX_ROWS, FusedDecode, many_rows_limit
 from inferlab.kernels.gemv import GEMV_MAX_ROWS
 from inferlab.kernels.select import keep_dense_copies
 
@@ -193,10 +193,10 @@ def test_what_the_fused_step_does_not_cover_keeps_the_python_model(isa, tiny_tok
     assert many_rows_limit(model) == FUSED_MAX_ROWS
     assert keep_dense_copies(model, torch.float32, 1024) > 0
     assert many_rows_limit(model) == GEMV_MAX_ROWS
-    # int4 layers: the int4 kernel across rows stays ahead of the GEMM up to the scheduler's steps
+    # int4 layers keep no dense copies: the int4 kernel across rows runs every int4 step
     model = tiny_engine(tiny_tokenizer, kernels="fast", quant="int4").model
-    assert keep_dense_copies(model, torch.float32, 1024) > 0
-    assert many_rows_limit(model) == INT4_FUSED_MAX_ROWS
+    keep_dense_copies(model, torch.float32, 1024)
+    assert many_rows_limit(model) == FUSED_MAX_ROWS
     assert tiny_engine(tiny_tokenizer, kernels="portable").fused is None
     assert tiny_engine(tiny_tokenizer, "none", kernels="fast").fused is None  # the recompute baseline stays pure
     assert tiny_engine(tiny_tokenizer).fused is None  # plain nn.Linear layers: no kernel chosen

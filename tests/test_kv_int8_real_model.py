@@ -4,6 +4,12 @@ Measured here (default precision: the GGUF's Q4_1 blocks, bf16 KV against int8 K
 full-precision greedy text of six prompts: 338 of 347 greedy tokens the same (every prompt >= 95%), logit
 cosine >= 0.993 at every position, and each differing token a near tie (its logit within 0.25 of the top).
 Free-running, a near tie then takes the text elsewhere: two of those six prompts kept all 64 tokens.
+
+The cosine floor is int8 rounding itself, and it depends on the text: once int4 prompts ran on the fused step
+the reference greedy text of "Shall I compare thee..." changed, and on it the 10th position reads 0.9889 (bf16
+KV against fp32 KV: 1.0000 there). Both routes write the same int8 codes and scales (checked bit for bit); the
+Python model's route reads 0.9867 on that text. Attending each step's own new rows at full precision would
+give 0.9936, at the cost of logits that depend on how a prompt is chunked: not done. Hence 0.985, not 0.99.
 """
 
 import functools
@@ -51,7 +57,7 @@ def test_int8_kv_keeps_the_greedy_tokens_of_the_full_precision_kv():
         full, int8 = (teacher_forced_logits(kv, prompt, tokens) for kv in ("auto", "int8"))
         agree = 0
         for step, (e, g) in enumerate(zip(full, int8)):
-            assert F.cosine_similarity(e, g, dim=0) >= 0.99, (prompt, step)
+            assert F.cosine_similarity(e, g, dim=0) >= 0.985, (prompt, step)
             picked = int(g.argmax())
             agree += picked == int(e.argmax())
             assert e[picked] >= e.max() - 0.5, (prompt, step)  # a different pick only at a near tie

@@ -36,30 +36,19 @@ def projection_parts(linear: nn.Module) -> list[Tensor] | None:
     return weights.parts()
 
 
-# Token rows up to which the fused step runs int4 decoder projections ahead of oneDNN's bf16 GEMM over their dense
-# copies. Measured on SmolLM2 int4 (AVX-512, one thread, CPU time of one step, the int4 kernel across rows): 8 / 16 /
-# 32 decode rows 25-34 / 47-64 / 90-101 ms fused against 44-75 / 87-145 / 120-171 on the Python model; a 16-token
-# prompt chunk 28-33 against 65-96; 128 tokens 205-275 against 232-318; 16 decodes and 240 prompt tokens 536 against
-# 512; 512 tokens 1,456 against 1,103. The scheduler's steps (scheduler.max_batched_tokens, 256) stay within it.
-INT4_FUSED_MAX_ROWS = 256
-
-
 def many_rows_limit(model: Transformer) -> int:
-    """FUSED_MAX_ROWS, or where decoder layers hold dense copies for many rows (oneDNN's bf16 GEMM over them is
-    faster there): INT4_FUSED_MAX_ROWS when they are all int4, else GEMV_MAX_ROWS (int8 not measured again). The LM
-    head is left out: it runs on a step's logit rows alone (one per sequence), not on its prompt rows. Measured on
-    SmolLM2 (AVX-512, one thread, batch-1 prompts of 128 / 512 tokens) with int4's earlier row-at-a-time kernel, the
-    fused step against the Python model: int4 (dense bf16 copies) 247 vs 615 and 216 vs 541 tok/s. bf16 weights stay
-    on the fused step though oneDNN is faster there too (361 vs 584, 307 vs 545): its fp32 activations keep mixed
-    steps within the real-model tolerance, the bf16 Python model does not; fp32 354 vs 330, 318 vs 321."""
-    formats = {
-        linear.kernel_weights().format if isinstance(linear, KernelLayer) and linear.kernel_weights() else None
-        for linear in model.layers.modules()
-        if isinstance(linear, DenseCopyLayer) and linear.dense is not None
-    }
-    if not formats:
-        return FUSED_MAX_ROWS
-    return INT4_FUSED_MAX_ROWS if formats == {"int4"} else GEMV_MAX_ROWS
+    """FUSED_MAX_ROWS, or GEMV_MAX_ROWS where the layers' int8 projections hold dense copies for many rows
+    (oneDNN's bf16 GEMM over them is faster; the LM head runs on a step's logit rows only, a few). int4 layers
+    hold none and every int4 step runs fused. Measured on SmolLM2 (AVX-512, one thread), int4 fused against the
+    Python model over dense bf16 copies: 16 rows 25-34 vs 56-64 ms, 32 rows 56-84 vs 92 ms, 64 rows 98-134 vs
+    117-128 ms; batch-1 prompts of 128 tokens 450-570 vs 500-510 tok/s, of 512 420-430 vs 480-530 (oneDNN's
+    GEMM multiplies ~1.3x faster per row than the int16-code kernel; the copies cost 256 MiB). bf16 weights
+    stay on the fused step though oneDNN is faster there too (361 vs 584, 307 vs 545): its fp32 activations keep
+    mixed steps within the real-model tolerance, the bf16 Python model does not; fp32 354 vs 330, 318 vs 321."""
+    for linear in model.layers.modules():
+        if isinstance(linear, DenseCopyLayer) and linear.dense is not None:
+            return GEMV_MAX_ROWS
+    return FUSED_MAX_ROWS
 
 
 class FusedDecode:

@@ -4,8 +4,8 @@ read from memory once per call, with the RMSNorm or SwiGLU before the product fu
 The kernel takes any number of rows. On dense fp32/bf16 weights `F.linear` (oneDNN) wins beyond
 GEMV_MAX_ROWS rows (measured on the whole model's layers, AVX-512, one thread: bf16 at 16 rows 228 vs 260
 tok/s, at 256 rows 291 vs 541), so the Python model's plain layers keep it there; quantized layers take
-the kernel at any number of rows unless they hold a dense copy (int8 at 256 rows: 400 tok/s against
-`_weight_int8pack_mm`'s 205).
+the kernel at any number of rows, int8 unless it holds a dense copy (int8 at 256 rows: 400 tok/s against
+`_weight_int8pack_mm`'s 205), int4 always (its many-row kernel outruns oneDNN's bf16 GEMM over a copy at decode batches: fused_decode.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def gemv_fits(x: Tensor, width: int, max_rows: int | None = GEMV_MAX_ROWS) -> bo
 
 
 def quantized_max_rows(dense_copy: Tensor | None) -> int | None:
-    """Rows a quantized layer runs on the kernel: any number, or GEMV_MAX_ROWS when it holds a dense copy for more
+    """Rows an int8 layer runs on the kernel: any number, or GEMV_MAX_ROWS when it holds a dense copy for more
     (kernels/layer.py's DenseCopyLayer), which then goes to `F.linear`."""
     return None if dense_copy is None else GEMV_MAX_ROWS
 

@@ -58,12 +58,14 @@ class KernelLayer(Protocol):
 
 @runtime_checkable
 class DenseCopyLayer(Protocol):
-    """A quantized layer that can also hold its weights dequantized, for products of many rows.
+    """A quantized layer (int8) that can also hold its weights dequantized, for products of many rows.
 
     The gemv kernel takes any number of rows, but a prompt chunk or a large decode batch is a GEMM, and
-    there a dense bf16/fp32 GEMM (oneDNN) over a dequantized copy is several times faster than the integer
-    library kernels and >10x faster than dequantizing at every call (the issue's and kernels/aten.py's
-    measurements): the copy trades memory for that speed, within `device.dense_copy_mb`.
+    there a dense bf16/fp32 GEMM (oneDNN) over a dequantized copy of int8 weights is faster than the int8
+    kernel and >10x faster than dequantizing at every call (the issue's and kernels/aten.py's measurements):
+    the copy trades memory for that speed, within `device.dense_copy_mb`. int4 keeps none: its kernel's
+    GEMM (csrc/gemv.h) outruns oneDNN's bf16 one up to 32 rows and ties at 64; prompts of 512 tokens lose ~15%
+    (kernels/fused_decode.py: many_rows_limit).
     """
 
     in_features: int

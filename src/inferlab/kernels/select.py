@@ -32,7 +32,7 @@ def select_kernels(
 
     Layers already on the kernels (KernelLayer: the quantized ones of quant/) pick their kernels per call
     and are left alone, except that `kernels=portable` sends them down their reference path too. With
-    `kernels=fast`, quantized layers also keep a dequantized copy for products of many rows when all the
+    `kernels=fast`, int8 layers also keep a dequantized copy for products of many rows when all the
     copies fit in `dense_copy_mb` (layer.DenseCopyLayer). On CPU the weights then move onto huge pages
     (huge_pages.py).
     """
@@ -54,7 +54,8 @@ def select_kernels(
 
 
 def keep_dense_copies(model: nn.Module, dtype: torch.dtype, budget_mb: float) -> int:
-    """Dequantized copies of every quantized layer, when they all fit in `budget_mb`; return their bytes."""
+    """Dequantized copies of every int8 layer (layer.DenseCopyLayer), when they all fit in `budget_mb`; return their
+    bytes."""
     layers = {id(m): m for m in model.modules() if isinstance(m, DenseCopyLayer)}.values()
     need = sum(m.out_features * m.in_features for m in layers) * torch.empty(0, dtype=dtype).element_size()
     if not layers or need > budget_mb * 2**20:

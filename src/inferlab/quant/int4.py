@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from inferlab.errors import QuantizationError
 from inferlab.kernels.aten import int4_layout, int4_mm, int4pack_scales_and_zeros, to_int4pack
-from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input, quantized_max_rows
+from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
 
@@ -95,14 +95,6 @@ class Int4GroupLinear(nn.Module):
             self.register_buffer("weight", to_int4pack(q, self.layout))
             self.register_buffer("scales_and_zeros", int4pack_scales_and_zeros(scales, mins))  # (G, N, 2)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self.register_buffer("dense", None, persistent=False)  # dequantized, for many rows (keep_dense_copy)
-
-    def keep_dense_copy(self, dtype: torch.dtype) -> int:
-        """kernels/layer.py's DenseCopyLayer: the same values the reference path computes at each call."""
-        if self.layout != "rows":
-            return 0
-        self.dense = self.dequantize().to(dtype)
-        return self.dense.nbytes
 
     def dequantize(self) -> Tensor:
         """The fp32 weights (N, K) the reference layout holds."""
@@ -120,15 +112,11 @@ class Int4GroupLinear(nn.Module):
     fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_glu
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
-        if (
-            self.layout == "rows"
-            and self.use_kernel
-            and gemv_fits(x, self.in_features * (1 + gated), quantized_max_rows(self.dense))
-        ):  # decode, or any rows without a dense copy
+        # any number of rows, no dense copy: at 16-32 rows the kernel's int4 GEMM outruns oneDNN's bf16 one over a
+        # dequantized copy (kernels/fused_decode.py: many_rows_limit), and the copy would cost 2x the weights again
+        if self.layout == "rows" and self.use_kernel and gemv_fits(x, self.in_features * (1 + gated), None):
             return gemv(x, self.weight, self.scales, self.bias, norm, gated, self.mins)
         x = prepared_input(x, norm, gated)
-        if self.dense is not None and self.use_kernel and self.dense.dtype == x.dtype:  # a prompt, a large batch
-            return F.linear(x, self.dense, self.bias)
         if self.layout == "rows":
             return F.linear(x, self.dequantize().to(x.dtype), self.bias)
         if x.device.type != self.layout:
