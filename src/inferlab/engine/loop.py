@@ -120,7 +120,7 @@ class EngineLoop:
         request is told at once."""
         try:
             while True:
-                with self._wake, self.stats.timed("idle"):
+                with self._wake, self.stats.idle():
                     self._wake.wait_for(lambda: self._stopping or self.scheduler.has_work())
                     if self._stopping:
                         return

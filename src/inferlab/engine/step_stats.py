@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 PHASES = ("schedule", "pack", "forward", "attention", "sample", "handoff", "step", "cpu", "idle")
 
@@ -40,6 +40,18 @@ class StepStats:
     prompt_step_s: float = 0.0  # their run (forward and sampling) time
     first_tokens: int = 0  # requests that got their first token
     first_token_s: float = 0.0  # their time from reaching the engine to that token (the engine's share of TTFT)
+    _idle_since: float | None = field(default=None, repr=False)  # when the wait under way began
+
+    @contextmanager
+    def idle(self) -> Iterator[None]:
+        """The loop waiting for work. A wait under way counts up to each snapshot, so two snapshots taken around
+        a load hold just the idle time between them (not a wait that began before the first)."""
+        self._idle_since = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.idle_s += time.perf_counter() - self._idle_since
+            self._idle_since = None
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -73,4 +85,8 @@ class StepStats:
 
     def snapshot(self) -> dict[str, float]:
         """Every counter, prefixed `engine_` (the names /v1/metrics and /metrics export)."""
-        return {f"engine_{name}": value for name, value in asdict(self).items()}
+        values = {name: value for name, value in asdict(self).items() if not name.startswith("_")}
+        since = self._idle_since
+        if since is not None:
+            values["idle_s"] += time.perf_counter() - since
+        return {f"engine_{name}": value for name, value in values.items()}
