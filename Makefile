@@ -17,8 +17,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 run: setup
 	$(VENV)/bin/inferlab-generate prompt="What is the capital of France?"
 
+# The suite over every core (most tests are one thread waiting on a subprocess or a model load); a single
+# file or test runs as usual with plain pytest.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist worksteal
 
 # The checks CI runs before the tests (config in pyproject.toml; .pre-commit-config.yaml runs the same)
 lint: setup
