@@ -37,20 +37,20 @@ inline namespace INFERLAB_ISA {
 constexpr int64_t kDecodeRows = 8;    // up to this many activation rows a call is memory-bound (a decode batch)
 constexpr int64_t kTileBytes = 64 * 1024;  // weight rows a thread multiplies into every activation row before the next ones
 constexpr int64_t kGrain = 64;        // weight rows per thread at least
-constexpr int64_t kPrefetchBytes = 4096;  // how far ahead each row is requested: one core alone keeps too few loads in flight
 constexpr int64_t kStep = 16;         // K must be a multiple of it; a format's step reads this many weights or twice as many
 constexpr int64_t kMaxK = 8192;
 constexpr float kInt16Max = 16383;    // activation codes for integer weights: 2 * 127 * 16383 * (K / 16) fits int32
 
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0); }
-
-// Into L2 only, further ahead: a stream of pre-tiled int4 weights (one per thread) decoded SmolLM2 1.3x as fast
-// so as with prefetch() (into L1: 0.9x, at any distance), and 0.8x with none (AVX-512, one thread)
+// Every weight stream is requested into L2 only, this far ahead: one core alone keeps too few loads in flight. A
+// stream of pre-tiled int4 weights (one per thread) decoded SmolLM2 1.3x as fast so as into L1 4 KiB ahead (0.9x
+// at any distance) and 0.8x with none; dense rows too (AVX-512, one thread, A/B in one sitting): fp32 and int8 as
+// fast at one activation row, bf16 1.2x, and a step of 2-8 rows no longer pays the multiply-adds on top of the
+// stream (SmolLM2 fp32 at 7 rows: 2.4 -> 1.2 one-row steps, bf16 3.2 -> 2.2, with kRows weight rows per call)
 constexpr int64_t kL2PrefetchBytes = 32 * 1024;
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kL2PrefetchBytes, _MM_HINT_T1); }
 
 inline void prefetch_lines(const void* p, int64_t bytes) {  // every 64-byte line of [p, p + bytes)
-  for (int64_t b = 0; b < bytes; b += 64) prefetch(static_cast<const char*>(p) + b);
+  for (int64_t b = 0; b < bytes; b += 64) prefetch_l2(static_cast<const char*>(p) + b);
 }
 
 // Activations as the integer formats read them: x / max|x| * kInt16Max, rounded (to nearest even, as
@@ -131,7 +131,7 @@ struct DenseFormat {
     }
     for (int64_t k = 0; k < whole; k += kWidth) {
       for (int r = 0; r < R; ++r) {
-        prefetch(rows + r * K + k);
+        prefetch_l2(rows + r * K + k);
         for (int m = 0; m < M; ++m) {
           sum[r * M + m] = Step::step(rows + r * K + k, xs + m * stride + k / kWidth * X_STEP, sum[r * M + m]);
         }
@@ -253,35 +253,32 @@ void chunk_rows(const F& f, int64_t m0, const float* scales, const float* bias, 
 }
 
 // chunk_rows for a chunk of mr <= MR activation rows: with one, F::kTileRows weight rows per dot call; with
-// more, one (a decode batch: weight rows streamed one at a time) or, for `many` rows, F::kRows
-template <typename F, typename Y, bool many, int MR = F::kChunk>
+// more, F::kRows, each activation load shared by their products: a decode batch of 2-8 rows (a speculative
+// verification) is bound by the multiply-adds, not the weights' stream (SmolLM2's step of 7 rows, AVX-512, one
+// thread, against one weight row per call: fp32 1.4x, bf16 1.8x, int8 1.6x as fast)
+template <typename F, typename Y, int MR = F::kChunk>
 void chunk_rows_of(int64_t mr, const F& f, int64_t m0, const float* scales, const float* bias, Y* y, int64_t N,
                    int64_t begin, int64_t end) {
   if constexpr (MR > 1) {
-    if (mr < MR) return chunk_rows_of<F, Y, many, MR - 1>(mr, f, m0, scales, bias, y, N, begin, end);
+    if (mr < MR) return chunk_rows_of<F, Y, MR - 1>(mr, f, m0, scales, bias, y, N, begin, end);
   }
-  constexpr int R = MR == 1 ? F::kTileRows : many ? F::kRows : 1;
+  constexpr int R = MR == 1 ? F::kTileRows : F::kRows;
   chunk_rows<F, Y, MR, R>(f, m0, scales, bias, y, N, begin, end);
 }
 
 // Weight rows [begin, end) times every activation row, F::kChunk activation rows at a time: a decode batch
-// (up to kDecodeRows) row by row, each weight row read from memory by the first chunk and from L1 by the
+// (up to kDecodeRows) F::kRows weight rows at a time, read from memory by the first chunk and from L1 by the
 // others; more rows per tile of weight rows, read from memory by the first chunk and from L2 by the others.
 template <typename F, typename Y>
 void rows(const F& f, int64_t M, const float* scales, const float* bias, Y* y, int64_t N, int64_t begin,
           int64_t end, int64_t row_bytes) {
   const bool many = M > kDecodeRows;
   const int64_t tile = many ? std::max<int64_t>(F::kRows, kTileBytes / row_bytes / F::kRows * F::kRows)
-                            : M <= F::kChunk ? end - begin : 1;
+                            : M <= F::kChunk ? end - begin : F::kRows;
   for (int64_t t = begin; t < end; t += tile) {
     const int64_t t_end = std::min(end, t + tile);
     for (int64_t m0 = 0; m0 < M; m0 += F::kChunk) {
-      const int64_t mr = std::min<int64_t>(F::kChunk, M - m0);
-      if (many) {
-        chunk_rows_of<F, Y, true>(mr, f, m0, scales, bias, y, N, t, t_end);
-      } else {
-        chunk_rows_of<F, Y, false>(mr, f, m0, scales, bias, y, N, t, t_end);
-      }
+      chunk_rows_of<F, Y>(std::min<int64_t>(F::kChunk, M - m0), f, m0, scales, bias, y, N, t, t_end);
     }
   }
 }
