@@ -4,10 +4,11 @@ import pytest
 import torch
 from torch import nn
 
+from inferlab.kernels.build import int4_tile_rows
 from inferlab.kernels.fused_decode import projection_parts
 from inferlab.kernels.gemv import GemvLinear
 from inferlab.kernels.layer import KernelLayer, KernelWeights
-from inferlab.quant.int4 import Int4GroupLinear, unpack_nibbles
+from inferlab.quant.int4 import Int4GroupLinear, tile_rows, unpack_nibbles, untile_rows
 from inferlab.quant.int8 import Int8Linear
 
 
@@ -26,10 +27,14 @@ def test_plain_and_quantized_linears_expose_their_weights_and_the_switch(dtype):
     assert gemv.scales is None and gemv.bias is linear.bias
     assert int8.format == "int8" and torch.equal(int8.weight, swapped["int8"].weight)
     assert torch.allclose(int8.weight.float() * int8.scales.float()[:, None], swapped["int8"].dequantize())
-    if swapped["int4"].layout == "rows":  # where the gemv kernel reads int4 (else aten's int4pack does)
-        int4 = swapped["int4"].kernel_weights()
-        assert int4.format == "int4" and int4.group_size == 32 and int4.mins.shape == (48, 2)
-        assert unpack_nibbles(int4.weight).shape == (48, 64)
+    if swapped["int4"].layout == "tiles":  # where the gemv kernel reads int4 (else aten's int4pack does)
+        int4, rows = swapped["int4"].kernel_weights(), int4_tile_rows()
+        assert int4.format == "int4_tiles" and int4.group_size == 32 and int4.mins.shape == (48 // rows, 2, rows)
+        assert int4.weight.shape == (48 // rows, 64 // 8 + 2 * 2, rows)  # codes, scales and mins: one buffer
+        packed, scales, mins = untile_rows(int4.weight, 2)
+        assert unpack_nibbles(packed).shape == (48, 64) and scales.shape == mins.shape == (48, 2)
+        assert torch.equal(tile_rows(packed, scales, mins, rows), int4.weight)
+        assert sorted(swapped["int4"].state_dict()) == ["bias", "weight"]  # held once
     for layer in swapped.values():
         assert isinstance(layer, KernelLayer)
         weights = layer.kernel_weights()

@@ -8,11 +8,19 @@ from conftest import tiny_engine
 from torch import nn
 
 from inferlab.kernels.attention import decode_attention, decode_attention_applies
-from inferlab.kernels.build import cpu_gemv_available
+from inferlab.kernels.build import cpu_gemv_available, int4_tile_rows, load_isa, use_isa
 from inferlab.kernels.gemv import GemvLinear, gemv
+from inferlab.kernels.isa import supported_isas
 from inferlab.kernels.select import select_kernels
 from inferlab.model.transformer import RMSNorm, linear_after_glu, linear_after_norm
-from inferlab.quant.int4 import dequantize_groups_int4, pack_nibbles
+from inferlab.quant.int4 import (
+    Int4GroupLinear,
+    dequantize_groups_int4,
+    pack_nibbles,
+    tile_parts,
+    tile_rows,
+    untile_rows,
+)
 from inferlab.quant.int8 import Int8Linear
 
 needs_gemv = pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here")
@@ -113,6 +121,43 @@ def test_int4_gemv_is_the_int16_code_product_to_float_rounding(isa, rows, n, k, 
     exact, magnitude = int4_int16_code_product(x, codes, scales, mins, bias, group_size)
     bound = (k // 32 + k // group_size + 2) * 2.0**-23 * (magnitude + bias.abs().double())
     assert ((y.double() - exact).abs() <= bound).all()
+
+
+@needs_gemv
+@pytest.mark.parametrize(("k", "group_size"), [(1056, 32), (1536, 64)])
+def test_int4_tiles_give_the_row_layouts_products_to_the_bit(isa, k, group_size):
+    """Weights laid out as the kernel's tiles (a layer's own, read in place by the fused step) multiply exactly as
+    the nibble rows they hold, at every number of rows (streamed rows at 1-2, tiles made per call beyond); the
+    layout holds the same bytes, rearranged."""
+    torch.manual_seed(k)
+    n, tile_rows_ = 96, int4_tile_rows()
+    weight, scales, mins, _ = random_weights("int4", n, k, group_size, torch.float32)
+    tiles = tile_rows(weight, scales, mins, tile_rows_)
+    assert tiles.nbytes == weight.nbytes + scales.nbytes + mins.nbytes
+    assert all(torch.equal(a, b) for a, b in zip(untile_rows(tiles, k // group_size), (weight, scales, mins)))
+    _, tile_scales, tile_mins = tile_parts(tiles, k // group_size)
+    bias, norm = torch.randn(n), RMSNorm(k, 1e-5)
+    for rows in (1, 2, 3, 8, 9, 33):
+        x = torch.randn(rows, k)
+        want = gemv(x, weight, scales, bias, norm, False, mins)
+        assert torch.equal(gemv(x, tiles, tile_scales, bias, norm, False, tile_mins), want), rows
+
+
+@needs_gemv
+def test_an_int4_layer_made_on_one_build_runs_on_another(isa):
+    """A layer's tiles follow the kernel build that runs (tests switch builds): laid out again for its rows per
+    block, the same products as the reference path's weights."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96)
+    other = next((name for name in supported_isas() if name != isa and load_isa(name)), None)
+    if other is None:
+        pytest.skip("one kernel build on this CPU")
+    use_isa(other)
+    layer = Int4GroupLinear(linear, 32)  # tiled for the other build
+    use_isa(isa)
+    x = torch.randn(3, 256)
+    want = gemv(x, *(t for t in layer.nibble_rows()[:2]), linear.bias.detach(), None, False, layer.nibble_rows()[2])
+    assert torch.equal(layer(x), want) and layer.weight.shape[2] == int4_tile_rows()
 
 
 @needs_gemv

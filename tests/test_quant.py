@@ -13,6 +13,7 @@ from torch import nn
 from inferlab.errors import QuantizationError
 from inferlab.kernels.aten import int4_layout, int4_mm, int4pack_scales_and_zeros, to_int4pack
 from inferlab.quant import Int4GroupLinear, Int8Embedding, Int8Linear, quantize_model, weight_bytes
+from inferlab.quant.apply import module_bytes
 from inferlab.quant.gguf_q4 import q4_1_codes
 from inferlab.quant.int4 import dequantize_groups_int4, pack_nibbles, quantize_groups_int4, unpack_nibbles
 
@@ -95,7 +96,7 @@ def test_int4_kernel_matches_reference_in_bf16(group_size, bias):
     linear = random_linear(96, 256, bias=bias, dtype=torch.bfloat16)
     fast, ref = Int4GroupLinear(linear, group_size), Int4GroupLinear(linear, group_size, use_kernel=False)
     assert fast.layout == int4_layout(torch.device("cpu"), torch.bfloat16, 96, 256) and ref.layout == "rows"
-    assert fast.weight.nbytes == ref.weight.nbytes == 96 * 256 // 2
+    assert module_bytes(fast) == module_bytes(ref) and ref.weight.nbytes == 96 * 256 // 2  # tiles: the same bytes
     for shape in ((2, 3, 256), (1, 1, 256), (1, 4, 256)):  # a prompt, and decode steps of 1 and 4 rows
         x = torch.randn(shape, dtype=torch.bfloat16)
         torch.testing.assert_close(fast(x).float(), ref(x).float(), atol=3e-2, rtol=3e-2)
@@ -106,7 +107,7 @@ def test_int4_fp32_decodes_through_the_row_layout():
     """aten's CPU int4 kernel is slower than dense fp32 with fp32 activations; inferlab's own reads the rows."""
     linear = random_linear(32, 64)
     fast, ref = Int4GroupLinear(linear, 32), Int4GroupLinear(linear, 32, use_kernel=False)
-    assert fast.layout == ref.layout == "rows"
+    assert fast.layout == int4_layout(torch.device("cpu"), torch.float32, 32, 64) and ref.layout == "rows"
     x = torch.randn(1, 1, 64)
     torch.testing.assert_close(fast(x), ref(x), atol=1e-4, rtol=1e-4)
 

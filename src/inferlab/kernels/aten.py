@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from inferlab.kernels.build import cpu_gemv_available
+from inferlab.kernels.build import cpu_gemv_available, int4_tile_rows
 
 INT4_OFFSET = 8  # the int4pack kernels compute w = (q - 8) * scale + zero
 
@@ -32,16 +32,22 @@ def int8_mm(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 def int4_layout(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int) -> str:
     """How a layer's int4 weights are stored, for the kernel that will read them.
 
-    "rows": nibble rows, read by the CPU decode kernel (kernels/csrc/gemv.cpp) where it is built, and by
-    the dequantize-then-linear reference; "cpu" / "cuda": aten's opaque int4pack layouts.
+    "tiles": the CPU kernels' blocks of rows (kernels/csrc/gemv.h: Int4Format's tiles; quant/int4.py), where they
+    are built and their blocks divide the rows; "rows": nibble rows, read by those kernels too (tiling them at
+    every call) and by the dequantize-then-linear reference; "cpu" / "cuda": aten's opaque int4pack layouts.
     """
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_gemv_available():
-        return "rows"
+        return "tiles" if int4_tiles_fit(out_features) else "rows"
     if device.type == "cpu" and dtype == torch.bfloat16 and out_features % 16 == 0:
         return "cpu"
     if device.type == "cuda" and dtype == torch.bfloat16 and out_features % 8 == 0 and in_features % 32 == 0:
         return "cuda"
     return "rows"
+
+
+def int4_tiles_fit(out_features: int) -> bool:
+    """The chosen CPU kernel build's blocks of int4 tile rows divide `out_features`."""
+    return out_features % int4_tile_rows() == 0
 
 
 def _inner_k_tiles(in_features: int) -> int:

@@ -137,6 +137,16 @@ def kernel_ops():
     return getattr(torch.ops, active_isa().ops)
 
 
+@functools.cache
+def _int4_tile_rows(ops: str) -> int:
+    return getattr(torch.ops, ops).int4_tile_rows()
+
+
+def int4_tile_rows() -> int:
+    """Weight rows per block of int4 tiles in the chosen build (its vectors' lanes: 16 on AVX-512, 8 on AVX2)."""
+    return _int4_tile_rows(active_isa().ops)
+
+
 def kernel_classes():
     """The chosen build's classes: kernel_classes().DecodePlan."""
     return getattr(torch.classes, active_isa().ops)

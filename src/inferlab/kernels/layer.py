@@ -13,18 +13,30 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-FORMAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
+FORMAT_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "int8": torch.int8,
+    "int4": torch.uint8,
+    "int4_tiles": torch.int32,
+}
+INT4_FORMATS = ("int4", "int4_tiles")
 
 
 @dataclass(frozen=True)
 class KernelWeights:
     """One projection's weights as csrc/gemv.h reads them: w = weight (fp32, bf16), weight * scales (int8,
-    one scale per row), or q * scale + min per group of `group_size` inputs (int4, two codes per byte)."""
+    one scale per row), or q * scale + min per group of `group_size` inputs (int4, two codes per byte; as nibble
+    rows, or as the kernel's tiles of rows, quant/int4.py's tile_rows)."""
 
-    format: str  # "fp32" | "bf16" | "int8" | "int4"
-    weight: Tensor  # (N, K) in FORMAT_DTYPES[format]; int4: uint8 (N, K / 2), column 2j in the low nibble
-    scales: Tensor | None = None  # int8: (N,); int4: fp32 (N, K / group_size)
-    mins: Tensor | None = None  # int4: fp32 (N, K / group_size)
+    format: str  # "fp32" | "bf16" | "int8" | "int4" | "int4_tiles"
+    # (N, K) in FORMAT_DTYPES[format]; int4: uint8 (N, K / 2), column 2j in the low nibble; int4_tiles: int32
+    # (N / L, K / 8 + 2 G, L), blocks of L rows holding their codes, scales and mins
+    weight: Tensor
+    scales: Tensor | None = (
+        None  # int8: (N,); int4: fp32 (N, G = K / group_size); int4_tiles: (N / L, G, L) views of weight's
+    )
+    mins: Tensor | None = None  # int4: fp32 (N, G); int4_tiles: (N / L, G, L) views of weight's
     bias: Tensor | None = None  # (N,)
     group_size: int | None = None  # int4
 
@@ -33,7 +45,7 @@ class KernelWeights:
             raise ValueError(f"{self.format} weights must be {FORMAT_DTYPES.get(self.format)}, not {self.weight.dtype}")
         if (self.scales is None) != (self.format in ("fp32", "bf16")):
             raise ValueError(f"{self.format} weights {'need' if self.scales is None else 'take no'} scales")
-        if (self.mins is None or self.group_size is None) == (self.format == "int4"):
+        if (self.mins is None or self.group_size is None) == (self.format in INT4_FORMATS):
             raise ValueError("int4 weights, and only they, have mins and a group size")
 
     def parts(self) -> list[Tensor]:

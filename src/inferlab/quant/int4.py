@@ -10,12 +10,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferlab.errors import QuantizationError
-from inferlab.kernels.aten import int4_layout, int4_mm, int4pack_scales_and_zeros, to_int4pack
+from inferlab.kernels.aten import int4_layout, int4_mm, int4_tiles_fit, int4pack_scales_and_zeros, to_int4pack
+from inferlab.kernels.build import int4_tile_rows
 from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
 
 GROUP_SIZES = (32, 64, 128)
+NIBBLE_LAYOUTS = ("tiles", "rows")  # the layouts the CPU kernels and the reference path read (the others: int4pack)
 
 
 def check_group_size(group_size: int, in_features: int) -> None:
@@ -38,6 +40,29 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(1)
 
 
+def tile_rows(packed: Tensor, scales: Tensor, mins: Tensor, rows: int) -> Tensor:
+    """Nibble rows (N, K/2) with fp32 scales and mins (N, G) -> int4 tiles int32 (N / rows, K/8 + 2G, rows): per
+    block of `rows` weight rows, each 4-byte chunk of 8 codes, then each scale, then each min, as `rows` values of
+    consecutive rows, the layout in which the CPU kernels read int4 weights as one stream (kernels/csrc/gemv.h:
+    Int4Format's tiles; `rows`: kernels.build.int4_tile_rows). The same bytes, rearranged: untile_rows undoes it."""
+    blocks = packed.shape[0] // rows
+    parts = [t.contiguous().view(torch.int32).view(blocks, rows, -1).transpose(1, 2) for t in (packed, scales, mins)]
+    return torch.cat(parts, dim=1)
+
+
+def tile_parts(tiles: Tensor, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Views of int4 tiles' codes int32 (N / rows, K/8, rows), scales and mins fp32 (N / rows, G, rows)."""
+    chunks = tiles.shape[1] - 2 * groups
+    codes, scales, mins = tiles.split([chunks, groups, groups], dim=1)
+    return codes, scales.view(torch.float32), mins.view(torch.float32)
+
+
+def untile_rows(tiles: Tensor, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """int4 tiles -> nibble rows uint8 (N, K/2), scales and mins fp32 (N, G): tile_rows' inputs, copied out."""
+    codes, scales, mins = (t.transpose(1, 2).reshape(-1, t.shape[1]) for t in tile_parts(tiles, groups))
+    return codes.view(torch.uint8), scales, mins
+
+
 def quantize_groups_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """weight (N, K) -> codes uint8 (N, K), scales and mins fp32 (N, K / group_size)."""
     n, k = weight.shape
@@ -58,13 +83,20 @@ def dequantize_groups_int4(codes: Tensor, scales: Tensor, mins: Tensor) -> Tenso
 class Int4GroupLinear(nn.Module):
     """Drop-in for nn.Linear with 4-bit weights (0.5 byte each) and a (scale, min) per group of inputs.
 
-    The weights are stored once, in the layout of the kernel that will read them: the CPU or CUDA
-    int4pack layout when the device and activation dtype have one, else plain nibble rows read by
-    the dequantize-then-linear reference (`use_kernel=False` forces it; tests compare the two).
-    `codes=(q, scales, mins)` takes precomputed codes (GGUF Q4_1 blocks) instead of quantizing
-    `linear.weight`; `linear` then only supplies shape, bias, dtype and device. A KernelLayer
-    (kernels/layer.py): the gemv kernel reads the nibble rows.
+    The weights are stored once, in the layout of the kernel that will read them (kernels/aten.py's
+    int4_layout): on CPU the C++ kernels' tiles of rows (`weight` int32, tile_rows; the fused decode step reads
+    them where they are, so they are never held twice), or the CPU or CUDA int4pack layout when the device and
+    activation dtype have one, else plain nibble rows (`weight`, `scales`, `mins`) read by the
+    dequantize-then-linear reference (`use_kernel=False` forces it; tests compare the two). Tiles and rows both
+    serve the reference path too, and the kernels whichever build runs (tiles are laid out again for another
+    build's rows per block: tests switch builds). `codes=(q, scales, mins)` takes precomputed codes (GGUF Q4_1
+    blocks) instead of quantizing `linear.weight`; `linear` then only supplies shape, bias, dtype and device. A
+    KernelLayer (kernels/layer.py).
     """
+
+    weight: Tensor  # tiles int32 (N / L, K/8 + 2G, L), nibble rows uint8 (N, K/2) or int4pack
+    scales: Tensor | None  # rows only, fp32 (N, G)
+    mins: Tensor | None
 
     def __init__(
         self,
@@ -82,10 +114,9 @@ class Int4GroupLinear(nn.Module):
             int4_layout(weight.device, weight.dtype, self.out_features, self.in_features) if use_kernel else "rows"
         )
         self.use_kernel = use_kernel
-        if self.layout == "rows":  # scales and mins kept in fp32: the kernel reads them so, the reference too
-            self.register_buffer("weight", pack_nibbles(q.to(weight.device)))  # (N, K/2)
-            self.register_buffer("scales", scales.to(weight.device, torch.float32))  # (N, G)
-            self.register_buffer("mins", mins.to(weight.device, torch.float32))
+        if self.layout in NIBBLE_LAYOUTS:  # scales and mins kept in fp32: the kernel reads them so, the reference too
+            d = weight.device
+            self._store_nibbles(pack_nibbles(q.to(d)), scales.to(d, torch.float32), mins.to(d, torch.float32))
         else:
             q, scales, mins = (
                 q.to(weight.device),
@@ -96,17 +127,43 @@ class Int4GroupLinear(nn.Module):
             self.register_buffer("scales_and_zeros", int4pack_scales_and_zeros(scales, mins))  # (G, N, 2)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
-    def dequantize(self) -> Tensor:
-        """The fp32 weights (N, K) the reference layout holds."""
+    def _store_nibbles(self, packed: Tensor, scales: Tensor, mins: Tensor) -> None:
+        """Hold nibble rows (N, K/2) and their scales and mins (N, G) in self.layout: as they are ("rows"), or as
+        the active kernel build's tiles ("tiles": all in `weight`)."""
+        tiles = self.layout == "tiles"
+        self.register_buffer("weight", tile_rows(packed, scales, mins, int4_tile_rows()) if tiles else packed)
+        self.register_buffer("scales", None if tiles else scales)
+        self.register_buffer("mins", None if tiles else mins)
+
+    def nibble_rows(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The nibble rows uint8 (N, K/2) and fp32 scales and mins (N, G), whichever of the two layouts holds them
+        (tiles: copied out)."""
+        if self.layout == "tiles":
+            return untile_rows(self.weight, self.in_features // self.group_size)
         if self.layout != "rows":
             raise QuantizationError(
                 f"weights in the {self.layout} int4pack layout are opaque; build with use_kernel=False"
             )
-        return dequantize_groups_int4(unpack_nibbles(self.weight), self.scales, self.mins)
+        assert self.scales is not None and self.mins is not None
+        return self.weight, self.scales, self.mins
+
+    def dequantize(self) -> Tensor:
+        """The fp32 weights (N, K) the reference path multiplies."""
+        packed, scales, mins = self.nibble_rows()
+        return dequantize_groups_int4(unpack_nibbles(packed), scales, mins)
 
     def kernel_weights(self) -> KernelWeights | None:
-        if not self.use_kernel or self.layout != "rows":
+        if not self.use_kernel or self.layout not in NIBBLE_LAYOUTS:
             return None
+        if self.layout == "tiles" and self.weight.shape[2] != int4_tile_rows():
+            # tiles of another kernel build (tests switch builds): laid out again for this one's blocks of rows, or
+            # as rows where those do not divide N
+            nibbles = self.nibble_rows()
+            self.layout = "tiles" if int4_tiles_fit(self.out_features) else "rows"
+            self._store_nibbles(*nibbles)
+        if self.layout == "tiles":
+            _, scales, mins = tile_parts(self.weight, self.in_features // self.group_size)
+            return KernelWeights("int4_tiles", self.weight, scales, mins, self.bias, self.group_size)
         return KernelWeights("int4", self.weight, self.scales, self.mins, self.bias, self.group_size)
 
     fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_glu
@@ -114,11 +171,12 @@ class Int4GroupLinear(nn.Module):
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
         # any number of rows, no dense copy: at 16-32 rows the kernel's int4 GEMM outruns oneDNN's bf16 one over a
         # dequantized copy (kernels/fused_decode.py: many_rows_limit), and the copy would cost 2x the weights again
-        if self.layout == "rows" and self.use_kernel and gemv_fits(x, self.in_features * (1 + gated), None):
-            return gemv(x, self.weight, self.scales, self.bias, norm, gated, self.mins)
+        if self.layout in NIBBLE_LAYOUTS:
+            weights = self.kernel_weights() if gemv_fits(x, self.in_features * (1 + gated), None) else None
+            if weights is not None:
+                return gemv(x, weights.weight, weights.scales, self.bias, norm, gated, weights.mins)
+            return F.linear(prepared_input(x, norm, gated), self.dequantize().to(x.dtype), self.bias)
         x = prepared_input(x, norm, gated)
-        if self.layout == "rows":
-            return F.linear(x, self.dequantize().to(x.dtype), self.bias)
         if x.device.type != self.layout:
             raise QuantizationError(
                 f"int4 weights packed for {self.layout} cannot run on {x.device}; "

@@ -24,12 +24,12 @@ using inferlab::Floats;
 using inferlab::KvPool;
 using inferlab::Projection;
 
-// A projection as Python hands it over: [weight, scales, mins, bias], absent parts as empty tensors; int4 weights
-// pre-tiled into the plan's arena
-Projection projection_from(const std::vector<at::Tensor>& parts, inferlab::TileArena* arena) {
+// A projection as Python hands it over: [weight, scales, mins, bias], absent parts as empty tensors (int4 tiles:
+// read where they are, the layer's own)
+Projection projection_from(const std::vector<at::Tensor>& parts) {
   TORCH_CHECK(parts.size() == 4, "DecodePlan: a projection is [weight, scales, mins, bias]");
   auto given = [](const at::Tensor& t) { return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt; };
-  return Projection(parts[0], given(parts[1]), given(parts[2]), given(parts[3]), arena);
+  return Projection(parts[0], given(parts[1]), given(parts[2]), given(parts[3]));
 }
 
 struct Layer {
@@ -58,7 +58,7 @@ class DecodePlan : public torch::CustomClassHolder {
   DecodePlan(int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double norm_eps, at::Tensor rope_cos,
              at::Tensor rope_sin, at::Tensor norm, std::vector<at::Tensor> output)
       : H_(n_heads), H_kv_(n_kv_heads), D_(head_dim), eps_(norm_eps), cos_(rope_cos, false), sin_(rope_sin, false),
-        rope_rows_(rope_cos.size(0)), norm_(norm, false), output_(projection_from(output, &arena_)), dim_(norm.numel()) {
+        rope_rows_(rope_cos.size(0)), norm_(norm, false), output_(projection_from(output)), dim_(norm.numel()) {
     TORCH_CHECK(H_ % H_kv_ == 0 && D_ % 8 == 0 && D_ <= inferlab::kMaxHeadDim,
                 "DecodePlan: heads must group evenly and head_dim be a multiple of 8 up to 256");
     TORCH_CHECK(rope_cos.sizes() == rope_sin.sizes() && rope_cos.dim() == 2 && rope_cos.size(1) == D_,
@@ -68,8 +68,8 @@ class DecodePlan : public torch::CustomClassHolder {
 
   void add_layer(at::Tensor attention_norm, std::vector<at::Tensor> wqkv, std::vector<at::Tensor> wo,
                  at::Tensor ffn_norm, std::vector<at::Tensor> w13, std::vector<at::Tensor> w2) {
-    Layer layer{Floats(attention_norm, false), projection_from(wqkv, &arena_), projection_from(wo, &arena_),
-                Floats(ffn_norm, false), projection_from(w13, &arena_), projection_from(w2, &arena_)};
+    Layer layer{Floats(attention_norm, false), projection_from(wqkv), projection_from(wo),
+                Floats(ffn_norm, false), projection_from(w13), projection_from(w2)};
     const int64_t qkv = (H_ + 2 * H_kv_) * D_;
     TORCH_CHECK(attention_norm.numel() == dim_ && ffn_norm.numel() == dim_ && layer.wqkv.K == dim_ &&
                 layer.wqkv.N == qkv && layer.wo.K == H_ * D_ && layer.wo.N == dim_ && layer.w13.K == dim_ &&
@@ -192,7 +192,6 @@ class DecodePlan : public torch::CustomClassHolder {
     return logits;
   }
 
-  inferlab::TileArena arena_;  // first: made before, and freed after, the projections that point into it
   int64_t H_, H_kv_, D_;
   double eps_;
   Floats cos_, sin_;

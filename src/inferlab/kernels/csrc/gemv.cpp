@@ -36,11 +36,15 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
   return y;
 }
 
+// Rows per block of int4 tiles in this build (its widest vector's lanes): how quant/int4.py lays them out
+int64_t int4_tile_rows() { return inferlab::Int4Format::L::N; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(INFERLAB_OPS, m) {
   m.def("gemv(Tensor x, Tensor weight, Tensor? scales, Tensor? bias, Tensor? norm_weight, float eps, Tensor? mins, "
         "bool gated) -> Tensor");
+  m.def("int4_tile_rows() -> int", &int4_tile_rows);
 }
 
 TORCH_LIBRARY_IMPL(INFERLAB_OPS, CPU, m) {

@@ -22,10 +22,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <sys/mman.h>
 
 #include <cstdlib>
-#include <memory>
 #include <numeric>
 #include <optional>
 
@@ -304,8 +302,8 @@ void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* 
 // y = sum * x_scale + bias. Two ways to get it:
 //  - tiled: a block's codes transposed into a buffer (chunks of 8 columns, L::N rows: 4 bytes a row), each
 //    activation pair broadcast to every row; a tile of blocks (kTileBytes) read by every chunk of kChunk
-//    activation rows. The decode plan holds every block's tile, made once (Projection's `tiled`), and reads
-//    them as one stream at any M.
+//    activation rows. A layer's weights laid out as these tiles once (Projection's int4 tiles, quant/int4.py) are
+//    read as one stream at any M.
 //  - streamed (untiled weights, up to kStreamRows activation rows: the gemv op's decode): each weight row
 //    read whole, one after the other, L::N chunks a vector (their lanes summed per block at the end), the
 //    L::N rows' dots then transposed into lanes. Transposing L::N rows as they are read makes L::N streams,
@@ -579,70 +577,66 @@ inline void swiglu(float* x, int64_t M, int64_t K) {
   }
 }
 
-// Memory for pre-tiled int4 weights (a decode plan's), in chunks on 2 MiB pages where the system gives them
-// (transparent huge pages advised before the first write, as kernels/huge_pages.py does for the model's
-// weights): streams read every step, without a TLB entry and a prefetcher restart per 4 KiB. One arena for all
-// projections: a 2 MiB page of its own would round a SmolLM2 projection's 0.25-1.3 MiB up to 2 MiB.
-class TileArena {
- public:
-  int32_t* take(int64_t n) {  // n values, 64-byte aligned, for as long as the arena lives
-    const int64_t bytes = round_up(n * static_cast<int64_t>(sizeof(int32_t)), 64);
-    if (chunks_.empty() || used_ + bytes > size_) {
-      size_ = round_up(std::max(bytes, kChunkBytes), kHugePage);
-      chunks_.emplace_back(static_cast<char*>(std::aligned_alloc(kHugePage, size_)), &std::free);
-      TORCH_CHECK(chunks_.back(), "gemv: out of memory for ", size_, " bytes of int4 tiles");
-      madvise(chunks_.back().get(), size_, MADV_HUGEPAGE);  // refused (THP off): 4 KiB pages, the same values
-      used_ = 0;
-    }
-    int32_t* p = reinterpret_cast<int32_t*>(chunks_.back().get() + used_);
-    used_ += bytes;
-    return p;
-  }
-
- private:
-  static constexpr int64_t kHugePage = 2 << 20, kChunkBytes = 16 << 20;
-  std::vector<std::unique_ptr<char, decltype(&std::free)>> chunks_;
-  int64_t size_ = 0, used_ = 0;
-};
-
 // One projection's weights as the kernel reads them: W in one of four formats,
-//   fp32, bf16 or int8 (N, K), with `scales` (N,) for int8; or uint8 (N, K / 2) int4 codes with
-//   `scales` and `mins` (N, K / group); bias (N,). Scales, mins and bias are read as fp32 (converted
-//   once, here, when they are bf16).
-// `arena` given: int4 weights also held there as Int4Format's blocks of rows (codes, scales and mins again, once),
-// so that calls read them as one stream instead of transposing them on the way (the whole decode step holds
-// them so).
+//   fp32, bf16 or int8 (N, K), with `scales` (N,) for int8; or int4 codes with `scales` and `mins` per group
+//   of inputs, as rows: uint8 (N, K / 2) with scales and mins (N, K / group); or as tiles: int32
+//   (N / L::N, K / 8 + 2 G, L::N), every block of L::N rows as Int4Format::tile lays it out (codes, then scales
+//   and mins), with `scales` and `mins` the (N / L::N, G, L::N) views of its scales and mins (quant/int4.py's
+//   tile_rows): the decode step reads them as one stream, without transposing them on the way. Bias (N,).
+//   Scales, mins and bias are read as fp32 (converted once, here, when they are bf16).
 struct Projection {
   at::Tensor weight;
   Floats scales, mins, bias;
   int64_t N = 0, K = 0, group = 0;
-  const int32_t* tiles = nullptr;  // int4 with an arena: every block's Int4Format::tile
+  const int32_t* tiles = nullptr;  // int4 tiles: every block's Int4Format::tile
 
   Projection(const at::Tensor& w, const std::optional<at::Tensor>& scales_, const std::optional<at::Tensor>& mins_,
-             const std::optional<at::Tensor>& bias_, TileArena* arena = nullptr)
-      : weight(w), scales(optional_floats(scales_)), mins(optional_floats(mins_)), bias(optional_floats(bias_)) {
-    TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "gemv: weight must be a contiguous (N, K) matrix");
-    const bool int4 = w.scalar_type() == at::kByte;
-    N = w.size(0);
-    K = int4 ? 2 * w.size(1) : w.size(1);
+             const std::optional<at::Tensor>& bias_)
+      : weight(w),
+        scales(is_tiles(w) ? Floats() : optional_floats(scales_)),
+        mins(is_tiles(w) ? Floats() : optional_floats(mins_)),
+        bias(optional_floats(bias_)) {
+    const bool int4_rows = w.scalar_type() == at::kByte;
+    int64_t groups = 0;  // int4: per row
+    TORCH_CHECK(w.dim() == (is_tiles(w) ? 3 : 2) && w.is_contiguous(),
+                "gemv: weight must be a contiguous (N, K) matrix, or int4 tiles (N / lanes, K / 8 + 2 G, lanes)");
+    if (is_tiles(w)) {
+      constexpr int64_t lanes = Int4Format::L::N;
+      TORCH_CHECK(w.size(2) == lanes && scales_ && mins_ && scales_->dim() == 3 && scales_->sizes() == mins_->sizes() &&
+                      scales_->size(0) == w.size(0) && scales_->size(2) == lanes &&
+                      scales_->scalar_type() == at::kFloat && mins_->scalar_type() == at::kFloat,
+                  "gemv: int4 tiles of this build are (N / ", lanes, ", K / 8 + 2 G, ", lanes,
+                  ") with fp32 scales and mins (N / ", lanes, ", G, ", lanes, ")");
+      groups = scales_->size(1);
+      const int64_t chunks = w.size(1) - 2 * groups;
+      const int32_t* at = w.data_ptr<int32_t>();
+      TORCH_CHECK(chunks > 0 && scales_->data_ptr() == at + chunks * lanes &&
+                      mins_->data_ptr() == at + (chunks + groups) * lanes &&
+                      scales_->strides() == w.strides() && mins_->strides() == w.strides(),
+                  "gemv: int4 scales and mins must be the views of the tiles' own");
+      N = w.size(0) * lanes;
+      K = 8 * chunks;
+      tiles = at;
+    } else {
+      N = w.size(0);
+      K = int4_rows ? 2 * w.size(1) : w.size(1);
+    }
     TORCH_CHECK(K % kStep == 0 && K <= kMaxK, "gemv: K must be a multiple of 16 and at most 8192, got ", K);
     TORCH_CHECK(!bias_ || bias_->numel() == N, "gemv: bias must have N = ", N, " values");
-    if (int4) {
+    if (int4_rows) {
       TORCH_CHECK(scales_ && mins_ && scales_->dim() == 2 && scales_->size(0) == N && scales_->sizes() == mins_->sizes(),
                   "gemv: int4 weights need scales and mins of shape (N, K / group_size)");
-      group = K / scales_->size(1);
-      TORCH_CHECK(group % Int4Format::kBlock == 0 && group * scales_->size(1) == K,
-                  "gemv: the int4 group size must be a multiple of 32 dividing K");
-      if (arena) {
-        const Int4Format f(w.data_ptr<uint8_t>(), N, K, group, scales.data(), mins.data(), nullptr, 0);
-        int32_t* made = arena->take(f.row_blocks() * f.tile_ints() + Int4Format::kSlack);
-        for (int64_t b = 0; b < f.row_blocks(); ++b) f.tile(b * Int4Format::L::N, made + b * f.tile_ints());
-        tiles = made;
-      }
-    } else {
+      groups = scales_->size(1);
+    } else if (!tiles) {
       TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kChar,
-                  "gemv: weights must be float32, bfloat16, int8 or uint8 int4 codes, got ", w.scalar_type());
+                  "gemv: weights must be float32, bfloat16, int8 or int4 (uint8 rows, int32 tiles), got ", w.scalar_type());
       TORCH_CHECK(!scales_ || scales_->numel() == N, "gemv: scales must have N = ", N, " values");
+    }
+    if (int4_rows || tiles) {
+      TORCH_CHECK(groups > 0, "gemv: int4 weights need a scale and a min per group");
+      group = K / groups;
+      TORCH_CHECK(group % Int4Format::kBlock == 0 && group * groups == K,
+                  "gemv: the int4 group size must be a multiple of 32 dividing K");
     }
   }
 
@@ -662,13 +656,14 @@ struct Projection {
       case at::kChar:
         run_rows(DenseFormat<Int8Step>(weight.data_ptr<int8_t>(), K, x, M), M, scales.data(), bias.data(), y, N, row_bytes);
         break;
-      default:
-        Int4Format(weight.data_ptr<uint8_t>(), N, K, group, scales.data(), mins.data(), x, M)(
+      default:  // int4: rows (uint8) or tiles (int32)
+        Int4Format(tiles ? nullptr : weight.data_ptr<uint8_t>(), N, K, group, scales.data(), mins.data(), x, M)(
             M, bias.data(), y, tiles);
     }
   }
 
  private:
+  static bool is_tiles(const at::Tensor& w) { return w.scalar_type() == at::kInt; }
   static Floats optional_floats(const std::optional<at::Tensor>& t) {
     return t && t->numel() ? Floats(t->contiguous(), false) : Floats();
   }
