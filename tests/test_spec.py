@@ -180,7 +180,7 @@ def toy_pair() -> tuple[Transformer, Transformer, dict]:
     return target, draft, exact_sequence_probs(target, TOY_PROMPT, 3, SamplingParams(max_new_tokens=3, temperature=1.0))
 
 
-@pytest.mark.parametrize("drafter_kind", ["model", "ngram", "self-int8-adaptive", "model-adaptive"])
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram", "self-int8-adaptive", "self-int8-subset", "model-adaptive"])
 def test_sequence_distribution_equals_target(toy_pair, drafter_kind):
     """Also with K chosen per round from the acceptance so far and drafting stopped at unsure proposals."""
     target, draft, exact = toy_pair
@@ -188,6 +188,8 @@ def test_sequence_distribution_equals_target(toy_pair, drafter_kind):
         "model": draft,
         "ngram": NgramDrafter(max_n=2),
         "self-int8-adaptive": ModelDrafter(self_draft(target, "int8"), min_confidence=0.6),
+        # the draft's head over ids 0 and 1 only: its q is zero at 2 and 3
+        "self-int8-subset": ModelDrafter(self_draft(target, "int8", draft_vocab=2)),
         "model-adaptive": ModelDrafter(draft, min_confidence=0.6),
     }[drafter_kind]
     counts = sample_sequences(

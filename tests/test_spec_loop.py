@@ -28,8 +28,9 @@ from inferlab.quant.self_draft import self_draft
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # draft: a model of its own (its KV in a pool of its own); self: the target's weights at int4 drafting over the
-# target's KV; copy: the target itself in a pool of its own, every draft accepted
-DRAFTERS = ["ngram", "draft", "self", "copy"]
+# target's KV (self-subset: its LM head over the first 100 ids only); copy: the target itself in a pool of its own,
+# every draft accepted
+DRAFTERS = ["ngram", "draft", "self", "self-subset", "copy"]
 
 
 def drafter(kind: str, target: Transformer) -> Drafter:
@@ -37,8 +38,9 @@ def drafter(kind: str, target: Transformer) -> Drafter:
         return NgramDrafter()
     if kind == "draft":
         return ModelDrafter(perturbed(target, 0.01, seed=1), min_confidence=0.3)
-    if kind == "self":
-        return ModelDrafter(self_draft(target, "int4"), "self", min_confidence=0.1, target_kv=True)
+    if kind in ("self", "self-subset"):
+        draft = self_draft(target, "int4", draft_vocab=100 if kind == "self-subset" else 0)
+        return ModelDrafter(draft, "self", min_confidence=0.1, target_kv=True)
     return ModelDrafter(target)
 
 
@@ -142,7 +144,7 @@ def test_speculating_loop_never_leaks_and_gives_single_request_tokens(
 N_TOY = 800
 
 
-@pytest.mark.parametrize("kind", ["draft", "self", "ngram"])
+@pytest.mark.parametrize("kind", ["draft", "self", "self-subset", "ngram"])
 def test_batched_speculation_samples_the_target_distribution(tiny_tokenizer, kind):
     """T = 1 through the loop, many requests (each its own seed) speculating in the same steps: the
     3-token sequences follow the target's exact distribution (Pearson's test, as test_spec.py's)."""
@@ -153,6 +155,8 @@ def test_batched_speculation_samples_the_target_distribution(tiny_tokenizer, kin
     draft = {
         "draft": ModelDrafter(toy_model(12), min_confidence=0.6),
         "self": ModelDrafter(self_draft(target, "int8"), min_confidence=0.6, target_kv=True),
+        # its head over ids 0 and 1 only: q is zero at 2 and 3, which the target's residual still reaches
+        "self-subset": ModelDrafter(self_draft(target, "int8", draft_vocab=2), min_confidence=0.6, target_kv=True),
         "ngram": NgramDrafter(max_n=2),
     }[kind]
     engine.speculation = Speculation(draft, 2, adaptive=False)

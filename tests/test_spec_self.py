@@ -51,6 +51,40 @@ def test_draft_shares_what_it_does_not_quantize(precision):
         torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_subset_head_holds_the_first_ids_and_the_embedding_all(quant):
+    """spec.draft_vocab: the draft's head is the target's first rows at int8; its embedding still covers every id."""
+    target = tied_model().to(torch.bfloat16)
+    if quant:
+        quantize_model(target, quant)
+    draft = self_draft(target, "int4", draft_vocab=100)
+    assert isinstance(draft.output, Int8Linear) and draft.output.out_features == 100
+    want = target.output.dequantize() if quant else target.output.weight.float()
+    torch.testing.assert_close(draft.output.dequantize(), want[:100], atol=want.abs().max().item() / 127, rtol=0)
+    ids = torch.tensor([0, 99, 100, 256])
+    torch.testing.assert_close(draft.tok_embeddings(ids), target.tok_embeddings(ids), atol=0.02, rtol=0.02)
+    assert self_draft(target, "int4", draft_vocab=10_000).output.out_features == target.config.vocab_size
+    assert target.output.out_features == target.config.vocab_size  # the target is left as it was
+
+
+@pytest.mark.parametrize("kernels", ["fast", "portable"])
+def test_subset_head_engine_greedy_equals_spec_off(tiny_tokenizer, kernels):
+    """Lossless at T=0 with the draft proposing its argmax over the first 100 ids only."""
+    if kernels == "fast" and not cpu_gemv_available():
+        pytest.skip("no AVX2 CPU or no C++ toolchain here")
+    plain = tiny_engine(tiny_tokenizer, max_new_tokens=24, kernels=kernels)
+    spec = tiny_engine(
+        tiny_tokenizer,
+        max_new_tokens=24,
+        kernels=kernels,
+        spec=spec_config("self", draft_vocab=100, adaptive=False, k=4),
+    )
+    assert spec.speculation.drafter.model.output.out_features == 100
+    for prompt in PROMPTS:
+        assert spec.generate(prompt).token_ids == plain.generate(prompt).token_ids
+    assert spec.stats()["spec_proposed"] > 0
+
+
 def test_int8_target_shares_its_head_with_an_int4_draft():
     target = tied_model().to(torch.bfloat16)
     quantize_model(target, "int8")

@@ -22,11 +22,11 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.block_manager import BlockManager, BlockTable
-from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, Proposal
+from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, Proposal, draft_distribution
 from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.kv_cache import compute_kv_cache_bytes
 from inferlab.engine.paged import PagedKVCache
-from inferlab.engine.sampling import draw, probabilities
+from inferlab.engine.sampling import draw
 from inferlab.engine.sequence import Request
 
 
@@ -125,7 +125,7 @@ class ModelDrafts(LoopDrafts):
             token = int(torch.argmax(logits))
             confidence = float(torch.softmax(logits.float(), -1)[token]) if self.drafter.min_confidence else 1.0
             return token, confidence
-        q = probabilities(logits, params)
+        q = draft_distribution(logits, params, self.drafter.model.config.vocab_size)
         token = draw(q, request.generator)
         dists.append(q)
         return token, float(q[token])

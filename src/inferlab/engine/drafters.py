@@ -239,7 +239,7 @@ class ModelDraftState(DraftState):
                 token = int(torch.argmax(logits))
                 confidence = float(torch.softmax(logits.float(), -1)[token]) if self.min_confidence else 1.0
             else:
-                q = probabilities(logits, params)
+                q = draft_distribution(logits, params, self.runner.model.config.vocab_size)
                 token = draw(q, generator)
                 dists.append(q)
                 confidence = float(q[token])
@@ -251,6 +251,13 @@ class ModelDraftState(DraftState):
 
     def rollback(self, length: int) -> None:
         self.runner.length = min(self.runner.length, length)
+
+
+def draft_distribution(logits: Tensor, params: SamplingParams, vocab: int) -> Tensor:
+    """What a draft samples its proposal from, over the whole vocabulary: (vocab,) from the logits of its head,
+    zero past them where the head holds only the first ids (spec.draft_vocab)."""
+    q = probabilities(logits, params)
+    return q if q.shape[-1] == vocab else torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
 
 
 # ---- from config ---------------------------------------------------------------------------------
@@ -279,7 +286,7 @@ def build_drafter(
         )
     if name == "self":
         return ModelDrafter(
-            self_draft(target, str(spec["draft_precision"]), gguf_path),
+            self_draft(target, str(spec["draft_precision"]), gguf_path, int(spec["draft_vocab"])),
             "self",
             float(spec["min_confidence"]),
             target_kv=True,

@@ -7,6 +7,13 @@ rope tables, an embedding that is only looked up, an LM head already at int8): t
 never held twice. Its decoder Linears are quantized like precision=int4|int8 quantizes them (int4 in
 groups of 32, so a GGUF's Q4_1 blocks import as they are; the LM head at int8, a tied embedding reading
 the head's int8 rows).
+
+The LM head is a large share of what a small model's draft reads per token (SmolLM2-135M: 49,152 x 576, 28 MB
+at int8 of its int4 draft's ~108 MB). A draft only has to propose tokens the target will likely keep, so
+`spec.draft_vocab` keeps the head's first N ids only: BPE ids follow the merge order, so the first ones are the
+common tokens. It stays lossless, the target verifies every proposal: at temperature 0 the draft proposes its
+argmax over the N ids, at T > 0 its distribution is over them and zero elsewhere, which the rejection rule
+handles (a token it never proposes is reached through the residual max(0, p - q) = p there).
 """
 
 from __future__ import annotations
@@ -51,32 +58,48 @@ def check_draft_precision(target: Transformer, draft_precision: str) -> None:
         )
 
 
-def self_draft(target: Transformer, draft_precision: str, gguf_path: Path | None = None) -> Transformer:
+def self_draft(
+    target: Transformer, draft_precision: str, gguf_path: Path | None = None, draft_vocab: int = 0
+) -> Transformer:
     """The target's weights at `draft_precision` as a second model sharing everything else with it.
 
     `gguf_path`: the file the target came from; an int4 draft imports its Q4_1 blocks instead of
-    requantizing the (dequantized) float weights.
+    requantizing the (dequantized) float weights. `draft_vocab` (0: all): the draft's LM head holds only the
+    first that many ids of the vocabulary (its logits are theirs), see draft_head.
     """
     check_draft_precision(target, draft_precision)
     head = target.output
+    rows = draft_vocab if 0 < draft_vocab < target.config.vocab_size else target.config.vocab_size
+    whole = rows == target.config.vocab_size
     shared: dict[int, object] = {id(t): t for t in (*target.parameters(), *target.buffers())}
     if isinstance(head, Int8Linear):  # already what a draft's head is: share the modules themselves
         shared.update({id(head): head, id(target.tok_embeddings): target.tok_embeddings})
     draft = copy.deepcopy(target, shared)  # new modules, the same tensors
     imported = read_q4_1_linears(gguf_path, target.config) if gguf_path and draft_precision == "int4" else {}
     for name, layer in list(target.named_modules()):
-        if not hasattr(layer, "in_features") or layer is head and isinstance(head, Int8Linear):
-            continue  # not a Linear, or the shared int8 head
-        if layer is head:
-            new: nn.Module = Int8Linear(float_linear(head))
-            if head.weight is getattr(target.tok_embeddings, "weight", None):
-                draft.tok_embeddings = Int8Embedding(new)
-        elif draft_precision == "int8":
-            new = Int8Linear(float_linear(layer))
+        if not hasattr(layer, "in_features") or layer is head:
+            continue  # not a Linear, or the head (below; a tied int8 one is also named tok_embeddings.head)
+        if draft_precision == "int8":
+            new: nn.Module = Int8Linear(float_linear(layer))
         else:
             new = Int4GroupLinear(float_linear(layer), Q4_1_GROUP, codes=imported[name]() if name in imported else None)
         draft.set_submodule(name, new)
+    if not (isinstance(head, Int8Linear) and whole):  # else the target's int8 head itself
+        draft.output = Int8Linear(first_rows(float_linear(head), rows))
+        if whole and head.weight is getattr(target.tok_embeddings, "weight", None):
+            draft.tok_embeddings = Int8Embedding(draft.output)  # else the target's own embedding, shared
     return draft.eval()
+
+
+def first_rows(linear: nn.Module, rows: int) -> nn.Module:
+    """`linear` itself, or a Linear of its first `rows` outputs viewing its weight (transient: quantized next)."""
+    if rows == linear.out_features:
+        return linear
+    part = nn.Linear(linear.in_features, rows, bias=linear.bias is not None, device="meta")
+    part.weight = nn.Parameter(linear.weight[:rows], requires_grad=False)
+    if linear.bias is not None:
+        part.bias = nn.Parameter(linear.bias[:rows], requires_grad=False)
+    return part
 
 
 def float_linear(layer: nn.Module) -> nn.Module:
