@@ -1,6 +1,8 @@
 """Small engine steps run on fewer intra-op threads (this thread only), and produce the same tokens."""
 
+import os
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -8,7 +10,7 @@ import torch
 from conftest import tiny_engine
 
 from inferlab.engine.engine import InferenceEngine
-from inferlab.engine.threads import StepThreads, omp_set_num_threads
+from inferlab.engine.threads import StepThreads, omp_set_num_threads, on_own_thread
 
 needs_two = pytest.mark.skipif(
     torch.get_num_threads() < 2 or omp_set_num_threads() is None, reason="needs 2+ torch threads and OpenMP"
@@ -49,3 +51,24 @@ def test_the_engine_loop_steps_a_lone_decode_on_one_thread_with_the_same_tokens(
     full = torch.get_num_threads()
     assert {n for rows, n in forwards if rows <= 2} == {1}  # the decodes
     assert {n for rows, n in forwards if rows > 2} == {full}  # the prompts
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@needs_two
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_work_on_its_own_thread_leaves_no_openmp_team_behind():
+    """What a parallel region started on a thread leaves (its OpenMP team) goes when that thread ends; the result
+    and the exception come back to the caller."""
+    big = torch.ones(1 << 22)
+    before = thread_count()
+    total = on_own_thread(lambda: float(big.add(1).sum()))
+    assert total == 2 * big.numel()
+    deadline = time.monotonic() + 5  # the team's threads end as their owner does, not before it returns
+    while thread_count() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert thread_count() == before
+    with pytest.raises(ValueError, match="bad model"):
+        on_own_thread(lambda: (_ for _ in ()).throw(ValueError("bad model")))

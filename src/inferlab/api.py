@@ -16,7 +16,7 @@ from inferlab.engine.paged import blocks_for_budget
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.engine.speculative import build_speculation
-from inferlab.engine.threads import StepThreads
+from inferlab.engine.threads import StepThreads, on_own_thread
 from inferlab.errors import InvalidRequestError, ModelLoadError
 from inferlab.kernels.select import choose_isa, select_kernels
 from inferlab.model.gguf_loader import release_gguf
@@ -98,7 +98,7 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
     CLI prints and the quant_tradeoff study reports."""
     start = time.perf_counter()
     reset_peak_rss()
-    engine = _build_engine(cfg)
+    engine = on_own_thread(lambda: _build_engine(cfg))
     now, peak = memory_mib()
     engine.load_stats = {"load_s": time.perf_counter() - start, "load_rss_mb": now, "load_peak_rss_mb": peak}
     log.info(
