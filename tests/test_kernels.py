@@ -196,12 +196,13 @@ def test_gemv_leaves_its_input_alone_and_refuses_what_it_does_not_cover(isa):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [640, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1), (16, 1)])
-def test_decode_attention_writes_the_step_and_equals_sdpa(isa, dtype, block_size, heads):
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_decode_attention_writes_the_step_and_equals_sdpa(isa, dtype, block_size, heads, head_dim):
     """One query per sequence, each at its own length, over blocks of a shared pool found through its block
     table (one 640-token block per slot is the contiguous cache), GQA groups (attended a group at a time, up to 8
-    query heads per pass over their keys)."""
+    query heads per pass over their keys); head dims of 4 and 8 widest vectors (unrolled) and of 5 narrow ones."""
     torch.manual_seed(block_size)
-    (n_heads, n_kv_heads), head_dim, lengths = heads, 64, [1, 8, 77, 600]
+    (n_heads, n_kv_heads), lengths = heads, [1, 8, 77, 600]
     per_sequence = -(-640 // block_size)
     k_pool, v_pool = (
         torch.randn(1 + 4 * per_sequence, n_kv_heads, block_size, head_dim).to(dtype) * 3 for _ in range(2)

@@ -139,25 +139,28 @@ struct SequenceBlocks {
 constexpr int64_t kMaxGroup = 8;  // query heads attended in one pass over the keys they share
 
 // out + g * D (D,) = softmax(q_g . k_l * scale over l < L) @ v for the G query heads q + g * D (fp32) that share
-// head h of one sequence's keys and values: one pass over the keys and one over the values for all G, each
-// head's arithmetic in the same order as alone (int8 rows: q . codes times the row's scale, and each value
-// row's weight times its scale). Under GQA this reads the cache once per key/value head, not per query head.
-template <typename T>
-void attend_heads(const float* q, const KvPool<T>& keys, const KvPool<T>& values, const int64_t* table, int64_t h,
-                  int64_t G, int64_t L, int64_t D, float scale, float* out) {
-  using S = Narrow;  // head_dim in steps of 8 lanes, whatever the build's widest
-  const int64_t V = D / 8;
-  S::V qv[kMaxGroup][kMaxHeadDim / 8];
+// head h of one sequence's keys and values: one pass over the keys and one over the values for all G (int8 rows:
+// q . codes times the row's scale, and each value row's weight times its scale). Under GQA this reads and
+// converts each cached row once per key/value head, not per query head. S: vectors of S::N lanes, N dividing D;
+// V: D / S::N when known at compile time (the usual head dims: the rows then stay in registers), else 0.
+template <typename S, int V_, typename T>
+void attend_heads_in(const float* q, const KvPool<T>& keys, const KvPool<T>& values, const int64_t* table, int64_t h,
+                     int64_t G, int64_t L, int64_t D, float scale, float* out) {
+  constexpr int64_t kMaxV = kMaxHeadDim / 8;
+  const int64_t V = V_ ? V_ : D / S::N;
+  typename S::V qv[kMaxGroup][kMaxV];
   for (int64_t g = 0; g < G; ++g) {
-    for (int64_t j = 0; j < V; ++j) qv[g][j] = S::mul(S::load(q + g * D + 8 * j), S::set1(scale));
+    for (int64_t j = 0; j < V; ++j) qv[g][j] = S::mul(S::load(q + g * D + S::N * j), S::set1(scale));
   }
   std::vector<float> p(G * L);  // head g's scores, then weights, at p[g * L + l]
   float max_score[kMaxGroup];
   std::fill(max_score, max_score + G, -std::numeric_limits<float>::infinity());
   keys.for_each_row(table, h, L, [&](int64_t l, const T* key, float key_scale) {
+    typename S::V k[kMaxV];
+    for (int64_t j = 0; j < V; ++j) k[j] = S::load(key + S::N * j);
     for (int64_t g = 0; g < G; ++g) {
-      S::V acc = S::mul(qv[g][0], S::load(key));
-      for (int64_t j = 1; j < V; ++j) acc = S::fmadd(qv[g][j], S::load(key + 8 * j), acc);
+      typename S::V acc = S::mul(qv[g][0], k[0]);
+      for (int64_t j = 1; j < V; ++j) acc = S::fmadd(qv[g][j], k[j], acc);
       p[g * L + l] = S::sum(acc) * key_scale;
       max_score[g] = std::max(max_score[g], p[g * L + l]);
     }
@@ -165,32 +168,46 @@ void attend_heads(const float* q, const KvPool<T>& keys, const KvPool<T>& values
   float inv_sum[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {
     float* pg = p.data() + g * L;
-    const S::V max8 = S::set1(max_score[g]);
-    S::V sum8 = S::zero();
+    const typename S::V max_v = S::set1(max_score[g]);
+    typename S::V sum_v = S::zero();
     int64_t l = 0;
-    for (; l + 8 <= L; l += 8) {
-      const S::V e = exp<S>(S::sub(S::load(pg + l), max8));
+    for (; l + S::N <= L; l += S::N) {
+      const typename S::V e = exp<S>(S::sub(S::load(pg + l), max_v));
       S::store(pg + l, e);
-      sum8 = S::add(sum8, e);
+      sum_v = S::add(sum_v, e);
     }
-    float sum = S::sum(sum8);
+    float sum = S::sum(sum_v);
     for (; l < L; ++l) sum += (pg[l] = std::exp(pg[l] - max_score[g]));
     inv_sum[g] = 1.0f / sum;
   }
-  S::V acc[kMaxGroup][kMaxHeadDim / 8];
+  typename S::V acc[kMaxGroup][kMaxV];
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t j = 0; j < V; ++j) acc[g][j] = S::zero();
   }
   values.for_each_row(table, h, L, [&](int64_t l, const T* value, float value_scale) {
     for (int64_t j = 0; j < V; ++j) {
-      const S::V x = S::load(value + 8 * j);
+      const typename S::V x = S::load(value + S::N * j);
       for (int64_t g = 0; g < G; ++g) acc[g][j] = S::fmadd(S::set1(p[g * L + l] * value_scale), x, acc[g][j]);
     }
   });
   for (int64_t g = 0; g < G; ++g) {
-    const S::V inv = S::set1(inv_sum[g]);
-    for (int64_t j = 0; j < V; ++j) S::store(out + g * D + 8 * j, S::mul(acc[g][j], inv));
+    const typename S::V inv = S::set1(inv_sum[g]);
+    for (int64_t j = 0; j < V; ++j) S::store(out + g * D + S::N * j, S::mul(acc[g][j], inv));
   }
+}
+
+// attend_heads_in on the widest vectors that divide head_dim, with the usual head dims (4 or 8 vectors) unrolled
+template <typename T>
+void attend_heads(const float* q, const KvPool<T>& keys, const KvPool<T>& values, const int64_t* table, int64_t h,
+                  int64_t G, int64_t L, int64_t D, float scale, float* out) {
+  auto on = [&](auto lanes) {
+    using S = decltype(lanes);
+    if (D == 4 * S::N) return attend_heads_in<S, 4>(q, keys, values, table, h, G, L, D, scale, out);
+    if (D == 8 * S::N) return attend_heads_in<S, 8>(q, keys, values, table, h, G, L, D, scale, out);
+    attend_heads_in<S, 0>(q, keys, values, table, h, G, L, D, scale, out);
+  };
+  if (D % Wide::N == 0) return on(Wide{});
+  on(Narrow{});
 }
 
 // For each of B sequences: write k, v (H_kv, D) at its position into the pools, then attend its q (H, D)
