@@ -4,7 +4,8 @@
 // with INFERLAB_AVX512 defined, AVX-512 F/BW/VL + VNNI + BF16 (16 lanes). Each build puts its symbols in
 // an inline namespace of its own and its ops in a library of its own (INFERLAB_OPS, e.g. inferlab_avx512),
 // so both load into one process. The kernels are written once against Lanes<N>: the fp32 vector of N
-// lanes and the operations on it, where N is kLanes (the widest) or 8 (attention: head_dim steps of 8).
+// lanes and the operations on it, where N is kLanes (the widest) or 8 (attention, where 8 divides head_dim
+// and kLanes does not).
 #pragma once
 
 #include <ATen/ATen.h>
