@@ -10,6 +10,7 @@ before `make draft`) gets a row saying why.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections import defaultdict
 
@@ -22,6 +23,7 @@ from inferlab.bench.prompts import corpus_ids
 from inferlab.bench.studies import Rows, register
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.speculative import Speculation, build_speculation
+from inferlab.engine.threads import on_own_thread
 from inferlab.errors import ModelLoadError
 from inferlab.kernels.select import select_kernels
 
@@ -37,7 +39,9 @@ def run(cfg: DictConfig) -> Rows:
     rows: Rows = []
     for name in study.drafters:
         try:
-            drafters[name] = engine.speculation if name == cfg.spec.name else speculation_for(engine, cfg, name)
+            # built off this thread, as the engine was (engine/threads.py on_own_thread): no OpenMP team left here
+            build = functools.partial(speculation_for, engine, cfg, name)
+            drafters[name] = engine.speculation if name == cfg.spec.name else on_own_thread(build)
         except ModelLoadError as e:
             rows.append({"spec": name, "decode_tok_s": None, "note": str(e)})
     prompts = study_prompts(cfg, engine)
