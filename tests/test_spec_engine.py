@@ -118,8 +118,11 @@ def test_load_engine_spec_matches_greedy(precision, spec):
     """SmolLM2 on a free-text chat prompt, 64 greedy tokens: spec off's very tokens, the drafts decoding
     through their own fused step (spec=self: the GGUF's Q4_1 blocks). The int8 target once differed here:
     the prompt ran through another path than spec off's prefill, and a verification's rows were computed
-    with other rounding than one-token steps, which flipped an exact bf16 tie of the top two logits."""
-    engine = load_engine(precision=precision, spec=spec)
+    with other rounding than one-token steps, which flipped an exact bf16 tie of the top two logits. The prefix
+    cache is off: a second run of the prompt would find its blocks cached and compute only its last tokens,
+    on the fused step, where the first computed them all over the int8 layers' dense copies (oneDNN), which
+    round otherwise (the first token's bf16 tie flipped so on an AVX-512 + AMX Xeon)."""
+    engine = load_engine(precision=precision, spec=spec, **{"cache.prefix": False})
     speculation = engine.speculation
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
     engine.speculation = None
