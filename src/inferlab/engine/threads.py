@@ -11,6 +11,8 @@ never a sum.
 The count is set for the calling thread only, in the OpenMP runtime torch loaded (`omp_set_num_threads`,
 0.3 us); `torch.set_num_threads` would also rebuild torch's thread pools and clear oneDNN's caches
 (~120 us, and the next prompt pays for the caches). Without an OpenMP runtime to call, nothing changes.
+`on_own_thread` runs work such as loading on a thread that ends with it, so no OpenMP team of its own
+outlives it beside the engine loop's.
 """
 
 from __future__ import annotations
