@@ -67,7 +67,7 @@ def omp_set_num_threads() -> Callable[[int], None] | None:
     return None
 
 
-def on_own_thread(work: Callable[[], T], name: str = "inferlab-load") -> T:
+def on_own_thread(work: Callable[[], T]) -> T:
     """`work()` run on a thread that ends with it: its result, or its exception raised here.
 
     libgomp gives each thread that starts a parallel region a team of worker threads of its own, parked
@@ -85,7 +85,7 @@ def on_own_thread(work: Callable[[], T], name: str = "inferlab-load") -> T:
         except BaseException as error:
             outcome.append((False, error))
 
-    thread = threading.Thread(target=run, name=name, daemon=True)  # daemon: Ctrl-C while loading still exits
+    thread = threading.Thread(target=run, name="inferlab-load", daemon=True)  # daemon: Ctrl-C while loading still exits
     thread.start()
     thread.join()
     ok, value = outcome[0]
