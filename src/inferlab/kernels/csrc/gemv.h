@@ -124,6 +124,9 @@ struct DenseFormat {
         }
       }
       for (; k < whole; k += kWidth) part[0] = Step::step(rows + k, xs + k / kWidth * X_STEP, part[0]);
+      if constexpr (kWidth > kStep) {
+        if (whole < K) part[1] = Step::tail(rows + whole, xs + whole / kWidth * X_STEP, part[1]);
+      }
       acc[0] = Step::total(Step::add(Step::add(part[0], part[1]), Step::add(part[2], part[3])));
       return;
     }
@@ -205,23 +208,26 @@ struct Bf16Step {
 };
 
 // int8 weights times int16 activation codes, summed exactly in int32 (madd, or VNNI's dpwssd), one
-// instruction per 16 weights. 256-bit steps on every build: 512-bit ones (32 bytes widened a step) decoded
-// SmolLM2 int8 15% slower on Zen 4, whose 512-bit widening shuffles are double-pumped; the AVX-512 build
-// still gains VNNI's fused multiply-add of the dots.
+// instruction per 2 * L::N weights, on lanes L: 256-bit steps for one activation row (512-bit ones, 32 bytes
+// widened a step, decoded SmolLM2 int8 15% slower on Zen 4, whose 512-bit widening shuffles are double-pumped;
+// the AVX-512 build still gains VNNI's fused multiply-add of the dots), the widest for more (the LM head over a
+// step of 16 rows, AVX-512: ~2x the multiply-adds per instruction). Each product sums in its 256-bit lane on
+// both (a 512-bit vector's halves are added before the total), so both give a row the same float, to the bit.
+template <typename L>
 struct Int8Step {
   // one row at a time, as one stream: int8 rows are short (one 576-byte row of the model is 9 cache
   // lines), and 4 of them in flight per thread streamed ~20% slower here than one
   static constexpr int kTileRows = 1, kRows = kLanes == 16 ? 4 : 2, kChunk = 4;
   static constexpr bool kExact = true;
-  static constexpr int64_t kWidth = kStep, kXPerWeight = 1;
-  using L = Narrow;
+  static constexpr int64_t kWidth = 2 * L::N, kXPerWeight = 1;
   using W = int8_t;
   using X = int16_t;
-  using Acc = L::I;
+  using Acc = typename L::I;
   static Acc zero() { return L::zero_int(); }
   static Acc step(const W* w, const X* x, Acc acc) { return L::dot_int16(acc, L::widen(w), L::load_int(x)); }
+  static Acc tail(const W* w, const X* x, Acc acc) { return L::dot_int16(acc, L::widen_half(w), L::load_int(x)); }
   static Acc add(Acc a, Acc b) { return L::add(a, b); }
-  static float total(Acc acc) { return L::sum(acc); }
+  static float total(Acc acc) { return Narrow::sum(L::halves_added(acc)); }
   static float prepare(const float* x, int64_t K, X* out) { return int16_codes(x, K, out); }
 };
 
@@ -423,30 +429,49 @@ struct Int4Format {
   // the exact dots from their even-s and (16-fold) odd-s parts
   static L::I joined(L::I even, L::I odd) { return L::add(even, L::shift_right_signed(odd, 4)); }
 
+  // Independent integer sums per activation row in dot<M>: an even-s and an odd-s one per chunk of a group of
+  // chunks. Each multiply-add waits for the one before it on its sum (5 cycles), so one or two activation rows with
+  // two sums each waited on that, not on the ports: SmolLM2's int4 step of one row ran at ~13 multiply-adds a
+  // cycle, under half what its instructions allow. More rows bring their own sums; past 4 they would not fit the
+  // registers.
+  static constexpr int chains(int M) { return M == 1 ? 8 : M <= 4 ? 4 : 2; }
+
   // sum[m] = the tiled block's rows . activation row m0 + m
   template <int M>
   void dot(const Tile& rows, int64_t m0, L::V* sum) const {
+    constexpr int C = chains(M), kGroup = C / 2;  // sums per activation row; chunks whose sums are apart
     L::V acc[M];  // not sum itself: through the pointer, each update went to memory and back
     for (int m = 0; m < M; ++m) acc[m] = L::zero();
     for (int64_t kb = 0; kb < blocks; ++kb) {
-      L::I dots[M * 2];  // per activation row: even s, odd s
-      for (int i = 0; i < M * 2; ++i) dots[i] = L::zero_int();
+      L::I dots[M * C];  // per activation row, per chunk of a group: even s, odd s
+      for (int i = 0; i < M * C; ++i) dots[i] = L::zero_int();
       if (rows.in_memory) {  // every line of the tile's stream requests the one kL2PrefetchBytes on
         prefetch_l2(rows.scale_lanes + block_group[kb] * L::N);
         prefetch_l2(rows.min_lanes + block_group[kb] * L::N);
       }
-      for (int64_t c = kb * kBlock / 8; c < (kb + 1) * kBlock / 8; ++c) {
+#pragma GCC unroll 4  // whole: which sums a chunk updates is then known at compile time, and they stay in registers
+      for (int j = 0; j < kBlock / 8; ++j) {  // the block's chunks
+        const int64_t c = kb * kBlock / 8 + j;
         if (rows.in_memory) prefetch_l2(rows.code_lanes + c * L::N);
         L::I w[4];
         nibble_pairs(rows.codes(c), w);
+        const int chunk_sums = j % kGroup * 2;
         for (int m = 0; m < M; ++m) {  // each activation pair broadcast from memory into its instruction
           const int32_t* x_pairs = pairs(m0 + m, c);
           for (int s = 0; s < 4; ++s) {
-            dots[2 * m + s % 2] = L::dot_int16(dots[2 * m + s % 2], w[s], L::set1_int(x_pairs[s * L::N]));
+            L::I& d = dots[m * C + chunk_sums + s % 2];
+            d = L::dot_int16(d, w[s], L::set1_int(x_pairs[s * L::N]));
           }
         }
       }
-      for (int m = 0; m < M; ++m) acc[m] = scaled(acc[m], joined(dots[2 * m], dots[2 * m + 1]), rows, m0 + m, kb);
+      for (int m = 0; m < M; ++m) {  // integers: any order of adding them gives the same sums
+        L::I even = dots[m * C], odd = dots[m * C + 1];
+        for (int j = 2; j < C; j += 2) {
+          even = L::add(even, dots[m * C + j]);
+          odd = L::add(odd, dots[m * C + j + 1]);
+        }
+        acc[m] = scaled(acc[m], joined(even, odd), rows, m0 + m, kb);
+      }
     }
     for (int m = 0; m < M; ++m) sum[m] = acc[m];
   }
@@ -654,7 +679,13 @@ struct Projection {
                  row_bytes);
         break;
       case at::kChar:
-        run_rows(DenseFormat<Int8Step>(weight.data_ptr<int8_t>(), K, x, M), M, scales.data(), bias.data(), y, N, row_bytes);
+        if (M == 1) {
+          run_rows(DenseFormat<Int8Step<Narrow>>(weight.data_ptr<int8_t>(), K, x, M), M, scales.data(), bias.data(), y, N,
+                   row_bytes);
+        } else {
+          run_rows(DenseFormat<Int8Step<Wide>>(weight.data_ptr<int8_t>(), K, x, M), M, scales.data(), bias.data(), y, N,
+                   row_bytes);
+        }
         break;
       default:  // int4: rows (uint8) or tiles (int32)
         Int4Format(tiles ? nullptr : weight.data_ptr<uint8_t>(), N, K, group, scales.data(), mins.data(), x, M)(

@@ -85,6 +85,7 @@ struct Lanes<8> {
   static float sum(I a) { return sum(to_float(a)); }
   // 2N int8 weights as 2N int16 lanes
   static I widen(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I halves_added(I a) { return a; }  // as Lanes<16>'s: the 8 int32 lanes of a 256-bit vector
   static I load_int(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   // 2N bf16 as N 32-bit lanes of pairs; their even-indexed and odd-indexed values as fp32 (bf16 is an fp32's high half)
   static I load_pairs(const at::BFloat16* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -170,6 +171,15 @@ struct Lanes<16> {
   static V to_float(I a) { return _mm512_cvtepi32_ps(a); }
   static I load_int(const int32_t* p) { return _mm512_loadu_si512(p); }
   static I load_int(const int32_t* p, int n) { return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << n) - 1), p); }
+  // 2N int8 weights as 2N int16 lanes; N of them, the rest 0; 2N int16
+  static I widen(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static I widen_half(const int8_t* p) {
+    return _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static I load_int(const int16_t* p) { return _mm512_loadu_si512(p); }
+  static __m256i halves_added(I a) {  // the 8 int32 lanes of Lanes<8> that hold the same products
+    return _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+  }
   static void transpose(I* r) {  // r[i] lane j -> r[j] lane i
     I a[16], b[16];
     for (int i = 0; i < 8; ++i) {
