@@ -131,7 +131,7 @@ class DecodePlan : public torch::CustomClassHolder {
     Floats residual(x, /*copy=*/true);
     float* h = residual.mutable_data();  // (B, dim), fp32 throughout
     std::vector<float> normed(B * dim_), qkv(B * qkv_width), q(B * H_ * D_), k(B * H_kv_ * D_), v(B * H_kv_ * D_),
-        attended(B * H_ * D_), projected(B * dim_), gate_up(B * 2 * hidden);
+        attended(B * H_ * D_), projected(B * dim_), gate_up(B * 2 * hidden), gated(B * hidden);
     const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
     auto normalize = [&](const Floats& weight) {
       std::copy(h, h + B * dim_, normed.begin());
@@ -146,7 +146,7 @@ class DecodePlan : public torch::CustomClassHolder {
       }
       {
         RECORD_FUNCTION("decode_step: rope+kv_write+attention", kNoInputs);
-        for (int64_t b = 0; b < B; ++b) {  // each row: [q heads, k heads, v heads]; q and k rotated
+        inferlab::for_each_row(B, [&](int64_t b) {  // each row: [q heads, k heads, v heads]; q and k rotated
           const float* row = qkv.data() + b * qkv_width;
           const float* cos = cos_.data() + pos[b] * D_;
           const float* sin = sin_.data() + pos[b] * D_;
@@ -155,7 +155,7 @@ class DecodePlan : public torch::CustomClassHolder {
             rope(row + (H_ + head) * D_, cos, sin, D_, k.data() + (b * H_kv_ + head) * D_);
           }
           std::copy(row + (H_ + H_kv_) * D_, row + qkv_width, v.data() + b * H_kv_ * D_);
-        }
+        });
         inferlab::write_and_attend(q.data(), k.data(), v.data(), KvPool<T>(k_cache, i, k_scales),
                                    KvPool<T>(v_cache, i, v_scales), table, width, pos, B, H_, H_kv_, D_, scale,
                                    attended.data());
@@ -172,8 +172,8 @@ class DecodePlan : public torch::CustomClassHolder {
       }
       {
         RECORD_FUNCTION("decode_step: swiglu+w2+residual", kNoInputs);
-        inferlab::swiglu(gate_up.data(), B, hidden);
-        layer.w2(gate_up.data(), B, projected.data());
+        inferlab::swiglu(gate_up.data(), B, hidden, gated.data());
+        layer.w2(gated.data(), B, projected.data());
         add_to(h, projected.data(), B * dim_);
       }
     }

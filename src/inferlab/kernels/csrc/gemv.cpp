@@ -22,16 +22,18 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
   TORCH_CHECK(x.size(-1) == width, "gemv: x has ", x.size(-1), " features, expected ", width);
   const int64_t M = x.numel() / width;
   TORCH_CHECK(M >= 1, "gemv: x has no activation rows");
-  Floats xf(x, /*copy=*/norm_weight.has_value() || gated);  // changed in place: never the caller's x
-  if (gated) inferlab::swiglu(xf.mutable_data(), M, K);
+  Floats xf(x, /*copy=*/norm_weight.has_value());  // normalized in place: never the caller's x
   if (norm_weight) inferlab::rms_normalize(xf.mutable_data(), M, K, Floats(*norm_weight, false).data(), eps);
+  std::vector<float> gated_x(gated ? M * K : 0);
+  if (gated) inferlab::swiglu(xf.data(), M, K, gated_x.data());
+  const float* prepared = gated ? gated_x.data() : xf.data();
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;  // (..., N)
   at::Tensor y = at::empty(out_shape, x.options());
   if (x.scalar_type() == at::kBFloat16) {
-    projection(xf.data(), M, y.data_ptr<at::BFloat16>());
+    projection(prepared, M, y.data_ptr<at::BFloat16>());
   } else {
-    projection(xf.data(), M, y.data_ptr<float>());
+    projection(prepared, M, y.data_ptr<float>());
   }
   return y;
 }
