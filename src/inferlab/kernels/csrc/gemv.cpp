@@ -22,10 +22,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
   TORCH_CHECK(x.size(-1) == width, "gemv: x has ", x.size(-1), " features, expected ", width);
   const int64_t M = x.numel() / width;
   TORCH_CHECK(M >= 1, "gemv: x has no activation rows");
-  Floats xf(x, /*copy=*/norm_weight.has_value());  // normalized in place: never the caller's x
-  if (norm_weight) inferlab::rms_normalize(xf.mutable_data(), M, K, Floats(*norm_weight, false).data(), eps);
-  std::vector<float> gated_x(gated ? M * K : 0);
+  Floats xf(x, /*copy=*/norm_weight.has_value() && !gated);  // normalized in place: never the caller's x
+  std::vector<float> gated_x(gated ? M * K : 0);                // silu(gate) * up, rows of K
   if (gated) inferlab::swiglu(xf.data(), M, K, gated_x.data());
+  float* writable = gated ? gated_x.data() : norm_weight ? xf.mutable_data() : nullptr;
+  if (norm_weight) inferlab::rms_normalize(writable, M, K, Floats(*norm_weight, false).data(), eps);
   const float* prepared = gated ? gated_x.data() : xf.data();
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;  // (..., N)

@@ -691,11 +691,9 @@ struct Projection {
         break;
       case at::kChar:
         if (M == 1) {
-          run_rows(DenseFormat<Int8Step<Narrow>>(weight.data_ptr<int8_t>(), K, x, M), M, scales.data(), bias.data(), y, N,
-                   row_bytes);
+          run_int8(Narrow{}, x, M, y, row_bytes);
         } else {
-          run_rows(DenseFormat<Int8Step<Wide>>(weight.data_ptr<int8_t>(), K, x, M), M, scales.data(), bias.data(), y, N,
-                   row_bytes);
+          run_int8(Wide{}, x, M, y, row_bytes);
         }
         break;
       default:  // int4: rows (uint8) or tiles (int32)
@@ -705,6 +703,10 @@ struct Projection {
   }
 
  private:
+  template <typename L, typename Y>  // int8 weights on lanes L (Int8Step)
+  void run_int8(L, const float* x, int64_t M, Y* y, int64_t row_bytes) const {
+    run_rows(DenseFormat<Int8Step<L>>(weight.data_ptr<int8_t>(), K, x, M), M, scales.data(), bias.data(), y, N, row_bytes);
+  }
   static bool is_tiles(const at::Tensor& w) { return w.scalar_type() == at::kInt; }
   static Floats optional_floats(const std::optional<at::Tensor>& t) {
     return t && t->numel() ? Floats(t->contiguous(), false) : Floats();

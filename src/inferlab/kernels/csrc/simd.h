@@ -171,7 +171,7 @@ struct Lanes<16> {
   static V to_float(I a) { return _mm512_cvtepi32_ps(a); }
   static I load_int(const int32_t* p) { return _mm512_loadu_si512(p); }
   static I load_int(const int32_t* p, int n) { return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << n) - 1), p); }
-  // 2N int8 weights as 2N int16 lanes; N of them, the rest 0; 2N int16
+  // 2N int8 weights as 2N int16 lanes; widen_half: the first N of them, the other lanes 0; load_int: 2N int16
   static I widen(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static I widen_half(const int8_t* p) {
     return _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
