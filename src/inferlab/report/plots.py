@@ -175,7 +175,8 @@ def _bars(ax: Any, rows: pd.DataFrame, spec: dict[str, Any], panel: dict[str, An
         ax.bar([p - 0.4 + width * (i + 0.5) for p in positions], table[column].to_numpy(), width, label=str(column))
     ax.set_xticks(list(positions), [_label(v, spec) for v in table.index])
     if not panel.get("logy") and table.shape[1] > 1:
-        ax.set_ylim(top=float(table.max().max()) * 1.25)  # room for the legend above the bars
+        # room for the legend above the bars: a line for each series and one for its title
+        ax.set_ylim(top=float(table.max().max()) * (1.2 + 0.1 * (table.shape[1] + 1)))
     ax.set_xlabel(spec.get("xlabel", spec["x"]))
     ax.set_ylabel(panel.get("ylabel", panel["y"]))
     if panel.get("logy"):
