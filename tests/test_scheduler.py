@@ -267,6 +267,26 @@ def test_a_long_prompt_is_chunked_and_never_stalls_running_decodes():
     assert scheduler.running[1].kv.num_computed == 23 and len(scheduler.running[1].output_ids) == 1
 
 
+def test_only_the_drafts_a_sequence_will_propose_take_room_and_budget():
+    """With speculation on, each decode gets room for its own K (asked per step): a sequence decoding plainly
+    (K = 0) takes no block and no budget from the prompts beside it."""
+    wanted = {0: 0, 1: 4}
+    scheduler = Scheduler(
+        BlockManager(64, 4, 1),
+        SchedulerConfig(max_running=4, max_waiting=8, max_batched_tokens=16),
+        drafts_wanted=lambda decodes: [wanted[r.request_id] for r in decodes],
+    )
+    plain, drafting = fake_request(0, [1, 2, 3, 4], 30), fake_request(1, [5, 6, 7, 8], 30)
+    scheduler.add(plain)
+    scheduler.add(drafting)
+    fake_step(scheduler)  # both prompts; each has its first token now
+    scheduler.add(fake_request(2, list(range(10, 40)), 4))  # 30 prompt tokens
+    batch = scheduler.schedule()
+    assert batch.decodes == [plain, drafting] and batch.lookahead == [0, 4]
+    assert len(plain.kv.blocks) == 2 and len(drafting.kv.blocks) == 3  # 5 positions; 5 + 4 drafts
+    assert batch.prefills[0][1] == 16 - 2 - 4  # the budget the drafts left
+
+
 def test_chunked_prefill_through_the_engine_gives_single_request_tokens(tiny_tokenizer):
     prompts = [list(range(5, 45)), list(range(50, 61)), list(range(70, 103))]
     engine = paged_engine(tiny_tokenizer, kv_blocks=64, max_batched_tokens=7)

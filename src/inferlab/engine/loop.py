@@ -110,7 +110,7 @@ class EngineLoop:
     def set_speculation(self, speculation: LoopSpeculation | None) -> None:
         """Draft and verify inside the loop (None: plain decoding). Call it holding `lock`."""
         self.speculation = speculation
-        self.scheduler.lookahead = speculation.speculation.k if speculation is not None else 0
+        self.scheduler.drafts_wanted = speculation.wanted if speculation is not None else None
 
     # ---- the loop's own thread ---------------------------------------------------------------------
     def _run_loop(self) -> None:

@@ -3,8 +3,9 @@
 Each step is one forward over at most `max_batched_tokens` tokens (vLLM V1's token budget): every
 running sequence whose prompt is done decodes one token, and prompts fill the rest of the budget in
 chunks, so a long prompt cannot stall those decodes.
-With speculation on (`lookahead` > 0), each decode also gets room for up to that many draft tokens
-past its next one, from the budget left and free blocks only: a draft never preempts anyone.
+With speculation on (`drafts_wanted` set), each decode also gets room for the draft tokens its sequence
+will propose past its next one (its own K, chosen here, before the prompts take their share), from the
+budget left and free blocks only: a draft never preempts anyone, and a sequence decoding plainly takes none.
 A waiting request is admitted only when the pool holds its prompt plus its first generated token.
 When a decode needs a block and none is free, the latest admitted sequence is preempted: its blocks
 are freed and it goes back to the front of the queue, to be recomputed (its full blocks often come
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inferlab.engine.block_manager import BlockManager
@@ -34,7 +36,7 @@ class SchedulerConfig:
 class ScheduledBatch:
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to feed this step)
     decodes: list[Request] = field(default_factory=list)  # each feeds its last sampled token
-    lookahead: list[int] = field(default_factory=list)  # per decode: room for this many draft tokens after it
+    lookahead: list[int] = field(default_factory=list)  # per decode (with drafts_wanted): its drafts' room
 
     @property
     def work(self) -> list[tuple[Request, int]]:
@@ -42,10 +44,16 @@ class ScheduledBatch:
         return [(r, 1) for r in self.decodes] + self.prefills
 
 
+# A step's decodes -> how many draft tokens each one's sequence will propose (speculation's K per sequence)
+DraftsWanted = Callable[[list[Request]], list[int]]
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, config: SchedulerConfig, lookahead: int = 0) -> None:
-        """`lookahead`: draft tokens a decode may add (spec.k with speculation on, else 0)."""
-        self.blocks, self.config, self.lookahead = blocks, config, lookahead
+    def __init__(
+        self, blocks: BlockManager, config: SchedulerConfig, drafts_wanted: DraftsWanted | None = None
+    ) -> None:
+        """`drafts_wanted`: with speculation on, each decode's K (engine/spec_batch.py); None: no drafts."""
+        self.blocks, self.config, self.drafts_wanted = blocks, config, drafts_wanted
         self.waiting: list[Request] = []  # ordered by (priority, arrival)
         self.running: list[Request] = []  # in admission order
         self.preemptions = 0
@@ -76,8 +84,8 @@ class Scheduler:
             budget = self.config.max_batched_tokens
             preempted = self._schedule_decodes(batch, budget)
             budget -= len(batch.decodes)
-            if self.lookahead:
-                budget -= self._reserve_lookahead(batch, budget)
+            if self.drafts_wanted is not None and batch.decodes:
+                budget -= self._reserve_lookahead(batch, self.drafts_wanted(batch.decodes), budget)
             for request in self.running:  # prompts admitted earlier continue first
                 if budget and request not in batch.decodes and request.num_uncomputed > 1:
                     n = min(request.num_uncomputed, budget)
@@ -129,12 +137,12 @@ class Scheduler:
                 batch.decodes.append(request)
         return preempted
 
-    def _reserve_lookahead(self, batch: ScheduledBatch, budget: int) -> int:
-        """Room for each decode's drafts, up to `lookahead`, what it may still generate, the budget and the free
+    def _reserve_lookahead(self, batch: ScheduledBatch, wanted: list[int], budget: int) -> int:
+        """Room for each decode's drafts, up to its `wanted`, what it may still generate, the budget and the free
         blocks; returns the tokens reserved."""
         used = 0
-        for request in batch.decodes:
-            want = min(self.lookahead, request.max_new_tokens - len(request.output_ids) - 1, budget - used)
+        for request, k in zip(batch.decodes, wanted):
+            want = min(k, request.max_new_tokens - len(request.output_ids) - 1, budget - used)
             if want > 0:
                 self.blocks.ensure_room(request.kv, request.num_tokens + want)  # as far as free blocks go
                 want = min(want, len(request.kv.blocks) * self.blocks.block_size - request.num_tokens)

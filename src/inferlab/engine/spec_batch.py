@@ -1,12 +1,13 @@
 """Speculation inside the engine loop: every decoding sequence drafts its own K, and the step's one flat forward
 verifies them all.
 
-The scheduler gives each decode room for up to spec.k draft tokens past its next one (engine/scheduler.py);
-here each sequence picks its K within that room (engine/adaptive_k.py: from its own acceptance so far, and from
-what a draft token costs in this loop: its drafting and its verified row, both timed) and
-the drafter proposes (engine/draft_pool.py: one draft forward per draft step for all the sequences). The
-sequence's segment of the step is then its last token and its drafts, every row's logits wanted: K+1
-next-token distributions. Each sequence is rejection-sampled on its own with the acceptance rule of
+The scheduler asks each decode's K (`wanted`: engine/adaptive_k.py, from the sequence's own acceptance so far
+and from what a draft token costs in this loop, its drafting and its verified row, both timed; at most spec.k)
+and gives it room for that many draft tokens past its next one where the budget and free blocks allow
+(engine/scheduler.py); the drafter proposes within that room (engine/draft_pool.py: one draft forward per
+draft step for all the sequences). A drafted sequence's segment of the step is then its last token and its
+drafts, every row's logits wanted: K+1 next-token distributions. A sequence with no drafts this step (K = 0,
+or a drafter with nothing to propose) is a plain decode of the step, exactly as with speculation off. Each sequence is rejection-sampled on its own with the acceptance rule of
 engine/speculative.py (at temperature 0: the drafts kept while they equal the target's argmax), so its
 tokens are distributed exactly as without speculation. The KV of the fed token and the accepted drafts is
 counted (and, once a block is full, findable in the prefix cache); the rejected rows' KV is not, and the
@@ -45,49 +46,55 @@ class LoopSpeculation:
     step_cost: StepCost = field(default_factory=StepCost)  # the loop's decode steps, timed (EngineLoop.step)
     draft_cost: DraftCost = field(default_factory=DraftCost)  # the drafting, timed here
 
+    def wanted(self, decodes: list[Request]) -> list[int]:
+        """The K each of a step's decodes would draft (the scheduler reserves their room from it)."""
+        if not self.speculation.adaptive:
+            return [self.speculation.k] * len(decodes)
+        prior = self.speculation.drafter.calibration
+        token_cost = draft_token_cost(self.step_cost, self.draft_cost, len(decodes), prior)
+        return [self._policy(r).next_k(token_cost) for r in decodes]
+
     def propose(self, batch: ScheduledBatch, running: Collection[Request]) -> dict[Request, list[int]]:
-        """Each decode of `batch` with room for drafts: its drafts (possibly none) for this step's forward."""
+        """The drafts of each decode of `batch` given room for them, for this step's forward; decodes missing from
+        the result (no room, or nothing proposed) decode plainly."""
         self.drafts.retain(running)
         for request in [r for r in self.policies if r not in running]:
             del self.policies[request]
-        prior = self.speculation.drafter.calibration
-        token_cost = draft_token_cost(self.step_cost, self.draft_cost, len(batch.decodes), prior)
-        wants = [(r, self._k(r, room, token_cost)) for r, room in zip(batch.decodes, batch.lookahead) if room]
+        wants = [(r, room) for r, room in zip(batch.decodes, batch.lookahead) if room]
         calls, start = self.drafts.calls, time.perf_counter()
         proposals = self.drafts.propose(wants)
         drafted = sum(len(p.tokens) for p in proposals)
         if drafted:
             self.draft_cost.observe(drafted, time.perf_counter() - start)
-        self.proposals = dict(zip((r for r, _ in wants), proposals))
-        self.speculation.totals.draft_calls += self.drafts.calls - calls
+        self.proposals = {r: p for (r, _), p in zip(wants, proposals) if p.tokens}
+        for request, _ in wants:
+            if request not in self.proposals:  # nothing proposed: the room reserved for drafts goes back
+                self.blocks.trim(request.kv, request.num_tokens)
+        plain = len(batch.decodes) - len(self.proposals)  # one target call and one token each
+        self.speculation.totals.add(SpecStats(plain, self.drafts.calls - calls, 0, 0, plain))
         return {r: p.tokens for r, p in self.proposals.items()}
 
-    def _k(self, request: Request, room: int, token_cost: float | None) -> int:
-        if not self.speculation.adaptive:
-            return min(self.speculation.k, room)
+    def _policy(self, request: Request) -> AdaptiveK:
         policy = self.policies.get(request)
         if policy is None:
             cost = self.speculation.drafter.step_cost(self.target)
             policy = self.policies[request] = AdaptiveK(self.speculation.k, cost)
-        return min(policy.next_k(token_cost), room)
+        return policy
 
     def verify(self, request: Request, rows: Tensor) -> list[StreamEvent]:
         """The step's (1 + k, vocab) logits of a drafted decode -> its kept tokens' events."""
         proposal = self.proposals[request]
         drafts = proposal.tokens
         self.blocks.advance(request.kv, request.token_ids, 1)  # the fed token's KV is the sequence's either way
-        if not drafts:  # exactly plain decoding
-            n, events = 0, request.sample(rows[-1])
-        else:
-            n, last = verify_proposal(rows, proposal, request.params, request.generator)
-            events = []
-            for token in [*drafts[:n], last]:
-                events += request.accept(token)
-                if request.finished:
-                    break
-            policy = self.policies.get(request)
-            if policy is not None:
-                policy.observe(len(drafts), n)
+        n, last = verify_proposal(rows, proposal, request.params, request.generator)
+        events = []
+        for token in [*drafts[:n], last]:
+            events += request.accept(token)
+            if request.finished:
+                break
+        policy = self.policies.get(request)
+        if policy is not None:
+            policy.observe(len(drafts), n)
         if not request.finished:
             self.blocks.advance(request.kv, request.token_ids, n)
             self.blocks.trim(request.kv, request.num_tokens)
