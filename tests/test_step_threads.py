@@ -11,6 +11,7 @@ from conftest import tiny_engine
 
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.threads import StepThreads, omp_set_num_threads, on_own_thread
+from inferlab.errors import EngineFailedError
 
 needs_two = pytest.mark.skipif(
     torch.get_num_threads() < 2 or omp_set_num_threads() is None, reason="needs 2+ torch threads and OpenMP"
@@ -72,3 +73,31 @@ def test_work_on_its_own_thread_leaves_no_openmp_team_behind():
     assert thread_count() == before
     with pytest.raises(ValueError, match="bad model"):
         on_own_thread(lambda: (_ for _ in ()).throw(ValueError("bad model")))
+
+
+@needs_two
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_a_closed_or_dropped_engine_leaves_no_loop_thread_or_openmp_team_behind(tiny_tokenizer):
+    """The engine loop's thread keeps an OpenMP team; beside the next engine's it made every parallel region of
+    that one's steps wait on a futex. close() ends it (later requests are refused), and so does dropping the engine."""
+    big = torch.ones(1 << 22)
+    float(big.add(1).sum())  # this thread's own team, before counting
+    before = thread_count()
+
+    def loop_thread_gone() -> bool:
+        deadline = time.monotonic() + 5
+        while thread_count() != before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return thread_count() == before and "inferlab-engine" not in {t.name for t in threading.enumerate()}
+
+    engine = tiny_engine(tiny_tokenizer, "paged")
+    want = engine.generate(list(range(5, 25)), max_new_tokens=4).token_ids
+    assert "inferlab-engine" in {t.name for t in threading.enumerate()}
+    engine.close()
+    assert loop_thread_gone()
+    with pytest.raises(EngineFailedError, match="closed"):
+        engine.generate(list(range(5, 25)), max_new_tokens=4)
+    dropped = tiny_engine(tiny_tokenizer, "paged")
+    assert dropped.generate(list(range(5, 25)), max_new_tokens=4).token_ids == want
+    del dropped
+    assert loop_thread_gone()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -126,6 +127,7 @@ class InferenceEngine:
         if self.blocks is not None:
             self.loop = EngineLoop(self.model, self.paged, self.blocks, config.scheduler, self.fused, self._lock)
             self.loop.threads = config.small_steps
+            weakref.finalize(self, self.loop.stop)  # an engine dropped without close(): its loop thread ends too
         self.scheduler: Scheduler | None = self.loop.scheduler if self.loop else None
         self.speculation = speculation  # spec=ngram|draft|self: drafted and verified, in the loop where it runs
         self._request_ids = itertools.count()
@@ -146,6 +148,15 @@ class InferenceEngine:
     def _loop_speculation(self, speculation: Speculation) -> LoopSpeculation:
         drafts = loop_drafts(speculation.drafter, self.paged, self.config.device)
         return LoopSpeculation(speculation, drafts, self.blocks, self.model)
+
+    def close(self) -> None:
+        """End the engine loop's thread, and the OpenMP team of worker threads it keeps; later requests are refused.
+        Also done when the engine is garbage-collected. A loop left idle beside another engine's keeps its team: more
+        OpenMP threads than cores, and libgomp then ends every wait at a parallel region's barrier with a futex sleep
+        (engine/threads.py). The next engine built in the same process (a sweep's next job) decoded SmolLM2 bf16 at
+        60-75 tok/s beside a dropped engine's idle loop, 120-124 once that loop had ended (2 cores)."""
+        if self.loop is not None:
+            self.loop.stop()
 
     @property
     def failure(self) -> str | None:

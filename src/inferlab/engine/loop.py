@@ -99,13 +99,15 @@ class EngineLoop:
                 self._wake.notify()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """End the loop after its current step and wait (up to `timeout` s) for its thread; requests still
-        queued never run. For the process's exit (_stop_loops)."""
+        """End the loop after its current step and wait (up to `timeout` s) for its thread, and with it the OpenMP
+        team of worker threads it keeps; requests still queued, and every later one, are refused (EngineFailedError).
+        For the engine's close() and the process's exit (_stop_loops)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():  # a finalizer may run on the loop itself
+            thread.join(timeout)
 
     def set_speculation(self, speculation: LoopSpeculation | None) -> None:
         """Draft and verify inside the loop (None: plain decoding). Call it holding `lock`."""
@@ -123,6 +125,7 @@ class EngineLoop:
                 with self._wake, self.stats.idle():
                     self._wake.wait_for(lambda: self._stopping or self.scheduler.has_work())
                     if self._stopping:
+                        self._refuse_all("the engine was closed")
                         return
                 with self.stats.step(), self.lock:
                     with batched():  # a step's events reach each event loop in one wakeup, on leaving it
@@ -139,10 +142,14 @@ class EngineLoop:
                     with self._wake:
                         self._wake.wait(0.005)
         except BaseException as error:
-            self.failure = f"the engine loop stopped: {type(error).__name__} {error}".strip()
+            self._refuse_all(f"the engine loop stopped: {type(error).__name__} {error}".strip())
             log.critical("%s; every request is refused from now on", self.failure, exc_info=error)
-            for request in self.scheduler.drain():
-                deliver(request, EngineFailedError(self.failure))
+
+    def _refuse_all(self, reason: str) -> None:
+        """The loop ends: `failure` says why, and every request it holds is told."""
+        self.failure = reason
+        for request in self.scheduler.drain():
+            deliver(request, EngineFailedError(reason))
 
     @torch.inference_mode()
     def step(self) -> bool:
