@@ -12,10 +12,10 @@ import pytest
 from conftest import tiny_engine
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_scheduler import assert_single_request_tokens, check_invariants, operations, run_operations
+from test_scheduler import assert_single_request_tokens, check_invariants, fake_request, operations, run_operations
 from test_spec import TOY_PROMPT, chi_square_pvalue, exact_sequence_probs, perturbed, toy_model
 
-from inferlab.engine.adaptive_k import draft_token_cost
+from inferlab.engine.adaptive_k import BACKOFF, MIN_SAMPLES, draft_token_cost
 from inferlab.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.sampling import SamplingParams
@@ -215,3 +215,20 @@ def test_a_measured_draft_cost_is_what_adaptive_k_counts(tiny_tokenizer):
     assert f"a draft token costs {calibration.token_cost():.2f} target steps" in engine.describe()
     loop = engine.loop.speculation
     assert draft_token_cost(loop.step_cost, loop.draft_cost, 1, calibration) == pytest.approx(calibration.token_cost())
+
+
+def test_no_sequence_drafts_while_a_timed_draft_token_costs_its_share_of_a_step(tiny_tokenizer):
+    """Under load a draft token (its drafting timed in the loop) may cost a sequence's whole share of a step: no
+    acceptance pays for it, so no sequence drafts, not even a probe, until the share grows again."""
+    engine = loop_engine(tiny_tokenizer, None, kv_blocks=64)
+    engine.speculation = Speculation(drafter("self", engine.model), 4, adaptive=True)
+    loop = engine.loop.speculation
+    for _ in range(MIN_SAMPLES):  # steps of 8 ms + 2 ms a row, a draft token's drafting 4 ms
+        for rows in (1, 4, 8):
+            loop.step_cost.observe(rows, 0.008 + 0.002 * rows)
+    loop.draft_cost.observe(1, 0.004)
+    requests = [fake_request(i, [1, 2, 3], 16) for i in range(8)]
+    assert draft_token_cost(loop.step_cost, loop.draft_cost, 8) == pytest.approx(2.0)  # 6 ms over a 3 ms share
+    assert all(loop.wanted(requests) == [0] * 8 for _ in range(3 * BACKOFF))
+    assert draft_token_cost(loop.step_cost, loop.draft_cost, 1) == pytest.approx(0.6)
+    assert loop.wanted(requests[:1])[0] > 0

@@ -52,6 +52,11 @@ class LoopSpeculation:
             return [self.speculation.k] * len(decodes)
         prior = self.speculation.drafter.calibration
         token_cost = draft_token_cost(self.step_cost, self.draft_cost, len(decodes), prior)
+        if token_cost is not None and token_cost >= 1 and self.draft_cost.per_token() is not None:
+            # a draft token, its drafting timed in this loop, costs a sequence's whole share of a plain step: no
+            # acceptance pays for it (k + 1 tokens for 1 + k steps' worth), so none drafts, not even a probe
+            # (each widens the batched step and runs a draft forward for nothing) until the load lightens
+            return [0] * len(decodes)
         return [self._policy(r).next_k(token_cost) for r in decodes]
 
     def propose(self, batch: ScheduledBatch, running: Collection[Request]) -> dict[Request, list[int]]:
