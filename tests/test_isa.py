@@ -13,7 +13,7 @@ from inferlab.kernels.build import active_isa, use_isa
 from inferlab.kernels.isa import ISAS, resolve_isa, supported_isas
 from inferlab.paths import cache_dir
 
-AVX2_ONLY = frozenset("fpu sse sse2 avx fma avx2 bmi2".split())
+AVX2_ONLY = frozenset("fpu sse sse2 avx f16c fma avx2 bmi2".split())
 AVX512 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}
 
 

@@ -30,7 +30,7 @@ def test_plain_and_quantized_linears_expose_their_weights_and_the_switch(dtype):
     if swapped["int4"].layout == "tiles":  # where the gemv kernel reads int4 (else aten's int4pack does)
         int4, rows = swapped["int4"].kernel_weights(), int4_tile_rows()
         assert int4.format == "int4_tiles" and int4.group_size == 32 and int4.mins.shape == (48 // rows, 2, rows)
-        assert int4.weight.shape == (48 // rows, 64 // 8 + 2 * 2, rows)  # codes, scales and mins: one buffer
+        assert int4.weight.shape == (48 // rows, 64 // 8 + 2, rows)  # codes, fp16 scales and mins: one buffer
         packed, scales, mins = untile_rows(int4.weight, 2)
         assert unpack_nibbles(packed).shape == (48, 64) and scales.shape == mins.shape == (48, 2)
         assert torch.equal(tile_rows(packed, scales, mins, rows), int4.weight)

@@ -47,7 +47,11 @@ def random_weights(weight_kind, n, k, group_size, dtype):
         dense = weight.double() * scales.double()[:, None]
     elif weight_kind == "int4":
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-        scales, mins = torch.rand(n, k // group_size) / 50, -torch.rand(n, k // group_size) / 7
+        # fp16 values, as the quantizer makes them (the kernels' tiles hold them in fp16)
+        scales, mins = (
+            (torch.rand(n, k // group_size) / 50).half().float(),
+            (-torch.rand(n, k // group_size) / 7).half().float(),
+        )
         weight, dense = pack_nibbles(codes), dequantize_groups_int4(codes, scales, mins)
     else:
         weight, scales = torch.randn(n, k).to(dtype) / k**0.5, None
@@ -133,7 +137,7 @@ def test_int4_tiles_give_the_row_layouts_products_to_the_bit(isa, k, group_size)
     n, tile_rows_ = 96, int4_tile_rows()
     weight, scales, mins, _ = random_weights("int4", n, k, group_size, torch.float32)
     tiles = tile_rows(weight, scales, mins, tile_rows_)
-    assert tiles.nbytes == weight.nbytes + scales.nbytes + mins.nbytes
+    assert tiles.nbytes == weight.nbytes + (scales.nbytes + mins.nbytes) // 2  # fp16 scales and mins
     assert all(torch.equal(a, b) for a, b in zip(untile_rows(tiles, k // group_size), (weight, scales, mins)))
     _, tile_scales, tile_mins = tile_parts(tiles, k // group_size)
     bias, norm = torch.randn(n), RMSNorm(k, 1e-5)

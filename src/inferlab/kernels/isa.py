@@ -34,13 +34,14 @@ class Isa:
 
 
 ISAS = {  # from the narrowest up: "auto" takes the last one the CPU has
-    "avx2": Isa("avx2", ("avx2", "fma"), ("-mavx2", "-mfma"), "AVX2 + FMA"),
+    "avx2": Isa("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), "AVX2 + FMA"),
     "avx512": Isa(
         "avx512",
-        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"),
+        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"),
         (
             "-mavx2",
             "-mfma",
+            "-mf16c",
             "-mavx512f",
             "-mavx512bw",
             "-mavx512vl",
@@ -52,7 +53,10 @@ ISAS = {  # from the narrowest up: "auto" takes the last one the CPU has
     ),
 }
 ISA_CHOICES = ("auto", *ISAS)
-TORCH_CAPABILITY_FLAGS = {"AVX2": {"avx2", "fma"}, "AVX512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}}
+TORCH_CAPABILITY_FLAGS = {  # every CPU torch reports AVX2 on has F16C too
+    "AVX2": {"avx2", "fma", "f16c"},
+    "AVX512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"},
+}
 
 
 @cache

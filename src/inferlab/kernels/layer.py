@@ -31,11 +31,11 @@ class KernelWeights:
 
     format: str  # "fp32" | "bf16" | "int8" | "int4" | "int4_tiles"
     # (N, K) in FORMAT_DTYPES[format]; int4: uint8 (N, K / 2), column 2j in the low nibble; int4_tiles: int32
-    # (N / L, K / 8 + 2 G, L), blocks of L rows holding their codes, scales and mins
+    # (N / L, K / 8 + G, L), blocks of L rows holding their codes, then per group their fp16 scales and mins
     weight: Tensor
-    # int8: (N,); int4: fp32 (N, G = K / group_size); int4_tiles: (N / L, G, L) views of weight's
+    # int8: (N,); int4: fp32 (N, G = K / group_size); int4_tiles: fp16 (N / L, G, L) views of weight's
     scales: Tensor | None = None
-    mins: Tensor | None = None  # int4: fp32 (N, G); int4_tiles: (N / L, G, L) views of weight's
+    mins: Tensor | None = None  # int4: fp32 (N, G); int4_tiles: fp16 (N / L, G, L) views of weight's
     bias: Tensor | None = None  # (N,)
     group_size: int | None = None  # int4
 

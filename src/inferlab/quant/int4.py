@@ -41,34 +41,43 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
 
 
 def tile_rows(packed: Tensor, scales: Tensor, mins: Tensor, rows: int) -> Tensor:
-    """Nibble rows (N, K/2) with fp32 scales and mins (N, G) -> int4 tiles int32 (N / rows, K/8 + 2G, rows): per
-    block of `rows` weight rows, each 4-byte chunk of 8 codes, then each scale, then each min, as `rows` values of
-    consecutive rows, the layout in which the CPU kernels read int4 weights as one stream (kernels/csrc/gemv.h:
-    Int4Format's tiles; `rows`: kernels.build.int4_tile_rows). The same bytes, rearranged: untile_rows undoes it."""
-    blocks = packed.shape[0] // rows
-    parts = [t.contiguous().view(torch.int32).view(blocks, rows, -1).transpose(1, 2) for t in (packed, scales, mins)]
-    return torch.cat(parts, dim=1)
+    """Nibble rows (N, K/2) with scales and mins (N, G) that fp16 holds exactly -> int4 tiles int32
+    (N / rows, K/8 + G, rows): per block of `rows` weight rows, each 4-byte chunk of 8 codes as `rows` values of
+    consecutive rows, then per group one line of the rows' fp16 scales and their fp16 mins, the layout in which
+    the CPU kernels read int4 weights as one stream (kernels/csrc/gemv.h: Int4Format's tiles; `rows`:
+    kernels.build.int4_tile_rows). The same values, rearranged: untile_rows undoes it."""
+    halves = [t.half() for t in (scales, mins)]
+    if not all(torch.equal(h.float(), t.float()) for h, t in zip(halves, (scales, mins))):
+        raise QuantizationError("int4 tiles hold fp16 scales and mins: these are not all fp16 values")
+    blocks, groups = packed.shape[0] // rows, scales.shape[1]
+    codes = packed.contiguous().view(torch.int32).view(blocks, rows, -1).transpose(1, 2)
+    lines = torch.stack([h.view(blocks, rows, groups).transpose(1, 2) for h in halves], dim=2)  # (blocks, G, 2, rows)
+    return torch.cat([codes, lines.reshape(blocks, groups, 2 * rows).view(torch.int32)], dim=1)
 
 
 def tile_parts(tiles: Tensor, groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Views of int4 tiles' codes int32 (N / rows, K/8, rows), scales and mins fp32 (N / rows, G, rows)."""
-    chunks = tiles.shape[1] - 2 * groups
-    codes, scales, mins = tiles.split([chunks, groups, groups], dim=1)
-    return codes, scales.view(torch.float32), mins.view(torch.float32)
+    """Views of int4 tiles' codes int32 (N / rows, K/8, rows), scales and mins fp16 (N / rows, G, rows)."""
+    rows = tiles.shape[2]
+    codes, lines = tiles.split([tiles.shape[1] - groups, groups], dim=1)
+    halves = lines.view(torch.float16)  # (N / rows, G, 2 rows): each group's scales, then its mins
+    return codes, halves[..., :rows], halves[..., rows:]
 
 
 def untile_rows(tiles: Tensor, groups: int) -> tuple[Tensor, Tensor, Tensor]:
     """int4 tiles -> nibble rows uint8 (N, K/2), scales and mins fp32 (N, G): tile_rows' inputs, copied out."""
     codes, scales, mins = (t.transpose(1, 2).reshape(-1, t.shape[1]) for t in tile_parts(tiles, groups))
-    return codes.view(torch.uint8), scales, mins
+    return codes.view(torch.uint8), scales.float(), mins.float()
 
 
 def quantize_groups_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """weight (N, K) -> codes uint8 (N, K), scales and mins fp32 (N, K / group_size)."""
+    """weight (N, K) -> codes uint8 (N, K), scales and mins fp32 (N, K / group_size), both fp16 values (as GGUF's
+    Q4_1 stores them; the kernels' tiles hold them so), the codes those rounded ones give."""
     n, k = weight.shape
     w = weight.float().view(n, k // group_size, group_size)
-    mins, maxs = w.amin(dim=-1), w.amax(dim=-1)
-    scales = ((maxs - mins) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    if not torch.isfinite(w).all() or w.abs().amax() > torch.finfo(torch.float16).max:
+        raise QuantizationError("int4 keeps its scales and mins in fp16: weights must be finite and below 65504")
+    mins, maxs = w.amin(dim=-1).half().float(), w.amax(dim=-1)
+    scales = ((maxs - mins) / 15).half().float().clamp(min=2**-24)  # fp16's smallest step: no zero scale
     codes = torch.round((w - mins[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
     return codes.view(n, k), scales, mins
 

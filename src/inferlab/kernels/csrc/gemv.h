@@ -320,7 +320,8 @@ void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* 
 //  - tiled: a block's codes transposed into a buffer (chunks of 8 columns, L::N rows: 4 bytes a row), each
 //    activation pair broadcast to every row; a tile of blocks (kTileBytes) read by every chunk of kChunk
 //    activation rows. A layer's weights laid out as these tiles once (Projection's int4 tiles, quant/int4.py) are
-//    read as one stream at any M.
+//    read as one stream at any M, their scales and mins as fp16 (GGUF's Q4_1 stores them so, and quant/int4.py
+//    rounds its own to fp16): a block of 32 columns is 20 bytes a row, not 24.
 //  - streamed (untiled weights, up to kStreamRows activation rows: the gemv op's decode): each weight row
 //    read whole, one after the other, L::N chunks a vector (their lanes summed per block at the end), the
 //    L::N rows' dots then transposed into lanes. Transposing L::N rows as they are read makes L::N streams,
@@ -375,16 +376,23 @@ struct Int4Format {
   const int32_t* pairs(int64_t m, int64_t c) const { return const_cast<Int4Format*>(this)->pairs(m, c); }
 
   // A block of L::N weight rows as the dots read it, from a buffer of codes (chunks, L::N) (tiled only), then
-  // scales and mins (G, L::N): codes(c) the 4 bytes of chunk c per row, scale(g) and min(g) per row
+  // scales and mins: codes(c) the 4 bytes of chunk c per row, scale(g) and min(g) per row. Made before (in
+  // memory): per group one line of L::N fp16 scales, then L::N fp16 mins (G, 2, L::N); made here, in a buffer
+  // (in cache): fp32 scales (G, L::N), then fp32 mins
   struct Tile {
     const int32_t* code_lanes;
-    const float *scale_lanes, *min_lanes;
+    const float *scale_lanes, *min_lanes;  // made here
+    const at::Half* half_lanes;            // made before
     bool in_memory;  // made before (read from memory, prefetched), else just made in a buffer (in cache)
     L::I codes(int64_t c) const { return L::load_int(code_lanes + c * L::N); }
-    L::V scale(int64_t g) const { return L::load(scale_lanes + g * L::N); }
-    L::V min(int64_t g) const { return L::load(min_lanes + g * L::N); }
+    L::V scale(int64_t g) const { return in_memory ? L::load(half_lanes + 2 * g * L::N) : L::load(scale_lanes + g * L::N); }
+    L::V min(int64_t g) const {
+      return in_memory ? L::load(half_lanes + (2 * g + 1) * L::N) : L::load(min_lanes + g * L::N);
+    }
+    const void* group_line(int64_t g) const { return half_lanes + 2 * g * L::N; }  // in memory: the scales' and mins'
   };
-  int64_t tile_ints() const { return (chunks + 2 * G) * L::N; }  // one block's buffer, in 4-byte values
+  int64_t tile_ints() const { return (chunks + 2 * G) * L::N; }    // one block's buffer, in 4-byte values
+  int64_t stored_ints() const { return (chunks + G) * L::N; }      // one block's tile made before
   int64_t row_blocks() const { return (N + L::N - 1) / L::N; }
 
   // Rows n.. of `values` (N, count) 4-byte values into out (count, L::N): L::N values of each row at a time,
@@ -409,7 +417,7 @@ struct Int4Format {
     const float* floats = reinterpret_cast<const float*>(buffer);
     transposed(scales, G, n, buffer);
     transposed(mins, G, n, buffer + G * L::N);
-    return Tile{nullptr, floats, floats + G * L::N, false};
+    return Tile{nullptr, floats, floats + G * L::N, nullptr, false};
   }
   Tile tile(int64_t n, int32_t* buffer) const {  // the whole block of rows n.., written to buffer (tile_ints())
     transposed(w, chunks, n, buffer);
@@ -418,8 +426,7 @@ struct Int4Format {
     return t;
   }
   Tile tile_at(const int32_t* buffer) const {  // a block's tile made before
-    const float* floats = reinterpret_cast<const float*>(buffer + chunks * L::N);
-    return Tile{buffer, floats, floats + G * L::N, true};
+    return Tile{buffer, nullptr, nullptr, reinterpret_cast<const at::Half*>(buffer + chunks * L::N), true};
   }
 
   // sum (a lane per row of the block) after block kb of activation row m: the one update every path makes
@@ -456,10 +463,8 @@ struct Int4Format {
     for (int64_t kb = 0; kb < blocks; ++kb) {
       L::I dots[M * C];  // per activation row, per chunk of a group: even s, odd s
       for (int i = 0; i < M * C; ++i) dots[i] = L::zero_int();
-      if (rows.in_memory) {  // every line of the tile's stream requests the one kL2PrefetchBytes on
-        prefetch_l2(rows.scale_lanes + block_group[kb] * L::N);
-        prefetch_l2(rows.min_lanes + block_group[kb] * L::N);
-      }
+      if (rows.in_memory) prefetch_l2(rows.group_line(block_group[kb]));  // each line of the tile's stream requests
+                                                                          // the one kL2PrefetchBytes on
 #pragma GCC unroll 4  // whole: which sums a chunk updates is then known at compile time, and they stay in registers
       for (int j = 0; j < kBlock / 8; ++j) {  // the block's chunks
         const int64_t c = kb * kBlock / 8 + j;
@@ -574,7 +579,7 @@ struct Int4Format {
       for (int64_t t = begin; t < end; t += per_tile) {
         const int64_t t_end = std::min(end, t + per_tile);
         for (int64_t b = t; b < t_end; ++b) {
-          tiles[b - t] = tiled ? tile_at(tiled + b * tile_ints()) : tile(b * L::N, buffer.data() + (b - t) * tile_ints());
+          tiles[b - t] = tiled ? tile_at(tiled + b * stored_ints()) : tile(b * L::N, buffer.data() + (b - t) * tile_ints());
         }
         for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
           for (int64_t b = t; b < t_end; ++b) {
@@ -616,10 +621,11 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 // One projection's weights as the kernel reads them: W in one of four formats,
 //   fp32, bf16 or int8 (N, K), with `scales` (N,) for int8; or int4 codes with `scales` and `mins` per group
 //   of inputs, as rows: uint8 (N, K / 2) with scales and mins (N, K / group); or as tiles: int32
-//   (N / L::N, K / 8 + 2 G, L::N), every block of L::N rows as Int4Format::tile lays it out (codes, then scales
-//   and mins), with `scales` and `mins` the (N / L::N, G, L::N) views of its scales and mins (quant/int4.py's
-//   tile_rows): the decode step reads them as one stream, without transposing them on the way. Bias (N,).
-//   Scales, mins and bias are read as fp32 (converted once, here, when they are bf16).
+//   (N / L::N, K / 8 + G, L::N), every block of L::N rows as Int4Format::tile_at reads it (codes, then per group
+//   a line of L::N fp16 scales and L::N fp16 mins), with `scales` and `mins` the fp16 (N / L::N, G, L::N) views
+//   of its scales and mins (quant/int4.py's tile_rows): the decode step reads them as one stream, without
+//   transposing them on the way. Bias (N,). Scales, mins (of rows) and bias are read as fp32 (converted once,
+//   here, when they are bf16).
 struct Projection {
   at::Tensor weight;
   Floats scales, mins, bias;
@@ -640,15 +646,16 @@ struct Projection {
       constexpr int64_t lanes = Int4Format::L::N;
       TORCH_CHECK(w.size(2) == lanes && scales_ && mins_ && scales_->dim() == 3 && scales_->sizes() == mins_->sizes() &&
                       scales_->size(0) == w.size(0) && scales_->size(2) == lanes &&
-                      scales_->scalar_type() == at::kFloat && mins_->scalar_type() == at::kFloat,
-                  "gemv: int4 tiles of this build are (N / ", lanes, ", K / 8 + 2 G, ", lanes,
-                  ") with fp32 scales and mins (N / ", lanes, ", G, ", lanes, ")");
+                      scales_->scalar_type() == at::kHalf && mins_->scalar_type() == at::kHalf,
+                  "gemv: int4 tiles of this build are (N / ", lanes, ", K / 8 + G, ", lanes,
+                  ") with fp16 scales and mins (N / ", lanes, ", G, ", lanes, ")");
       groups = scales_->size(1);
-      const int64_t chunks = w.size(1) - 2 * groups;
+      const int64_t chunks = w.size(1) - groups;
       const int32_t* at = w.data_ptr<int32_t>();
+      const std::vector<int64_t> half_strides = {2 * w.stride(0), 2 * lanes, 1};  // in fp16 values
       TORCH_CHECK(chunks > 0 && scales_->data_ptr() == at + chunks * lanes &&
-                      mins_->data_ptr() == at + (chunks + groups) * lanes &&
-                      scales_->strides() == w.strides() && mins_->strides() == w.strides(),
+                      mins_->data_ptr() == static_cast<const at::Half*>(scales_->data_ptr()) + lanes &&
+                      scales_->strides() == half_strides && mins_->strides() == half_strides,
                   "gemv: int4 scales and mins must be the views of the tiles' own");
       N = w.size(0) * lanes;
       K = 8 * chunks;
