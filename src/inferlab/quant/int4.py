@@ -103,7 +103,7 @@ class Int4GroupLinear(nn.Module):
     KernelLayer (kernels/layer.py).
     """
 
-    weight: Tensor  # tiles int32 (N / L, K/8 + 2G, L), nibble rows uint8 (N, K/2) or int4pack
+    weight: Tensor  # tiles int32 (N / L, K/8 + G, L), nibble rows uint8 (N, K/2) or int4pack
     scales: Tensor | None  # rows only, fp32 (N, G)
     mins: Tensor | None
 
