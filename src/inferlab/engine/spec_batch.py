@@ -7,9 +7,10 @@ and gives it room for that many draft tokens past its next one where the budget 
 (engine/scheduler.py); the drafter proposes within that room (engine/draft_pool.py: one draft forward per
 draft step for all the sequences). A drafted sequence's segment of the step is then its last token and its
 drafts, every row's logits wanted: K+1 next-token distributions. A sequence with no drafts this step (K = 0,
-or a drafter with nothing to propose) is a plain decode of the step, exactly as with speculation off. Each sequence is rejection-sampled on its own with the acceptance rule of
-engine/speculative.py (at temperature 0: the drafts kept while they equal the target's argmax), so its
-tokens are distributed exactly as without speculation. The KV of the fed token and the accepted drafts is
+or a drafter with nothing to propose) is a plain decode of the step, exactly as with speculation off. Each
+drafted sequence is rejection-sampled on its own with the acceptance rule of engine/speculative.py (at
+temperature 0: the drafts kept while they equal the target's argmax), so its tokens are distributed exactly as
+without speculation. The KV of the fed token and the accepted drafts is
 counted (and, once a block is full, findable in the prefix cache); the rejected rows' KV is not, and the
 blocks they took go back to the allocator. A round's tokens are streamed one by one through the request's
 own `accept`, which ends it at EOS, a stop string or max_tokens wherever that falls in the round.

@@ -382,12 +382,12 @@ struct Int4Format {
   struct Tile {
     const int32_t* code_lanes;
     const float *scale_lanes, *min_lanes;  // made here
-    const at::Half* half_lanes;            // made before
-    bool in_memory;  // made before (read from memory, prefetched), else just made in a buffer (in cache)
+    const at::Half* half_lanes;            // made before (read from memory, prefetched); else null
+    bool in_memory() const { return half_lanes != nullptr; }
     L::I codes(int64_t c) const { return L::load_int(code_lanes + c * L::N); }
-    L::V scale(int64_t g) const { return in_memory ? L::load(half_lanes + 2 * g * L::N) : L::load(scale_lanes + g * L::N); }
+    L::V scale(int64_t g) const { return in_memory() ? L::load(half_lanes + 2 * g * L::N) : L::load(scale_lanes + g * L::N); }
     L::V min(int64_t g) const {
-      return in_memory ? L::load(half_lanes + (2 * g + 1) * L::N) : L::load(min_lanes + g * L::N);
+      return in_memory() ? L::load(half_lanes + (2 * g + 1) * L::N) : L::load(min_lanes + g * L::N);
     }
     const void* group_line(int64_t g) const { return half_lanes + 2 * g * L::N; }  // in memory: the scales' and mins'
   };
@@ -417,7 +417,7 @@ struct Int4Format {
     const float* floats = reinterpret_cast<const float*>(buffer);
     transposed(scales, G, n, buffer);
     transposed(mins, G, n, buffer + G * L::N);
-    return Tile{nullptr, floats, floats + G * L::N, nullptr, false};
+    return Tile{nullptr, floats, floats + G * L::N, nullptr};
   }
   Tile tile(int64_t n, int32_t* buffer) const {  // the whole block of rows n.., written to buffer (tile_ints())
     transposed(w, chunks, n, buffer);
@@ -426,7 +426,7 @@ struct Int4Format {
     return t;
   }
   Tile tile_at(const int32_t* buffer) const {  // a block's tile made before
-    return Tile{buffer, nullptr, nullptr, reinterpret_cast<const at::Half*>(buffer + chunks * L::N), true};
+    return Tile{buffer, nullptr, nullptr, reinterpret_cast<const at::Half*>(buffer + chunks * L::N)};
   }
 
   // Block kb's scales and (at its group's first block) mins, a lane per row of the block: read once for every
@@ -474,12 +474,12 @@ struct Int4Format {
     for (int64_t kb = 0; kb < blocks; ++kb) {
       L::I dots[M * C];  // per activation row, per chunk of a group: even s, odd s
       for (int i = 0; i < M * C; ++i) dots[i] = L::zero_int();
-      if (rows.in_memory) prefetch_l2(rows.group_line(block_group[kb]));  // each line of the tile's stream requests
+      if (rows.in_memory()) prefetch_l2(rows.group_line(block_group[kb]));  // each line of the tile's stream requests
                                                                           // the one kL2PrefetchBytes on
 #pragma GCC unroll 4  // whole: which sums a chunk updates is then known at compile time, and they stay in registers
       for (int j = 0; j < kBlock / 8; ++j) {  // the block's chunks
         const int64_t c = kb * kBlock / 8 + j;
-        if (rows.in_memory) prefetch_l2(rows.code_lanes + c * L::N);
+        if (rows.in_memory()) prefetch_l2(rows.code_lanes + c * L::N);
         L::I w[4];
         nibble_pairs(rows.codes(c), w);
         const int chunk_sums = j % kGroup * 2;
