@@ -15,6 +15,7 @@ import pytest
 from conftest import tiny_model
 
 from inferlab.bench.studies.profile import phase_weight_bytes
+from inferlab.bench.studies.serving import paired_variants
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.kernels.isa import supported_isas
 from inferlab.paths import cache_dir
@@ -206,6 +207,15 @@ def test_serving_drives_every_server_over_every_level_in_one_job(tmp_path: Path)
     assert "precision int4 (auto: the GGUF's Q4_1)" in log.read_text()  # inferlab-serve ran its defaults
 
 
+def test_each_variant_is_paired_with_the_one_differing_only_by_the_paired_override():
+    variants = [["precision=bf16", "spec=off"], ["precision=bf16", "spec=self"], ["precision=fp32", "spec=self"]]
+    assert paired_variants(variants, "spec=off") == {
+        "inferlab precision=bf16 spec=off": ("vs_spec_off", "inferlab precision=bf16 spec=off"),
+        "inferlab precision=bf16 spec=self": ("vs_spec_off", "inferlab precision=bf16 spec=off"),
+    }  # fp32 spec=self has no fp32 spec=off beside it: no column
+    assert paired_variants(variants, None) == {}
+
+
 @pytest.mark.slow
 def test_serving_spec_drives_spec_off_and_self_at_one_precision_in_one_job(tmp_path: Path):
     variants = "[['precision=fp32','spec=off'],['precision=fp32','spec=self']]"
@@ -223,6 +233,8 @@ def test_serving_spec_drives_spec_off_and_self_at_one_precision_in_one_job(tmp_p
     for row in rows:
         assert row["failed"] == 0 and row["output_throughput"] > 0 and row["median_ttft_ms"] > 0
         assert row["output_tokens_per_request"] == rows[0]["output_tokens_per_request"] > 0  # whole answers, both
+        # load by load over spec off's: 1 for spec off itself (its own loads), a positive ratio for spec=self
+        assert row["vs_spec_off"] == 1.0 if row["server"].endswith("spec=off") else row["vs_spec_off"] > 0
     logs = {
         spec: (result_dir(tmp_path) / f"inferlab_precision=fp32_spec={spec}.log").read_text()
         for spec in ("off", "self")

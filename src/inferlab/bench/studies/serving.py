@@ -4,7 +4,12 @@ inferlab-serve runs once per `study.inferlab_variants` entry (overrides; the ser
 spec=self at the same precision). Every server is started once on its own loopback port, on the same weights (the job's GGUF), and the same
 load generator drives each in turn with the same prompts, the others paused (SIGSTOP) meanwhile: in each round, for each concurrency level, every
 server gets one closed-loop streaming load of max(load.num_requests, c) requests (the server order
-rotates between rounds). Each figure is the median over the rounds. A peer that is not installed (or, for
+rotates between rounds). Each figure is the median over the rounds. With `study.paired_with` (serving_spec:
+spec=off), each inferlab-serve variant's output tok/s is also divided by that of the variant with that override
+in place of its own, load by load (same round, same level, seconds apart), and the median of those ratios is
+its `vs_<key>_<value>` column: a shared machine's drift over the minutes of a round cancels in it, where the
+ratio of two medians keeps it (3 rounds of spec off and spec=self at c=8, the same steps run, read 0.89x; 8 rounds,
+1.02x). A peer that is not installed (or, for
 vLLM, no `study.vllm_python`) gives a row saying so instead. inferlab-serve's rows also carry its engine's step
 profile of each load (bench/engine_profile.py): steps/s, rows per step and each phase's ms per step, from its
 own counters, so a level's figures come with why.
@@ -84,6 +89,7 @@ def run(cfg: DictConfig) -> Rows:
             for c in levels:
                 for spec in specs[r % len(specs) :] + specs[: r % len(specs)]:
                     samples[spec.name, c].append(drive(spec, prompts[c], c))
+    pairs = paired_variants(study.inferlab_variants, study.get("paired_with"))
     for spec in specs:
         base = None
         for c in levels:
@@ -94,6 +100,12 @@ def run(cfg: DictConfig) -> Rows:
                 s["total_output_tokens"] / max(s["completed"], 1) for s in samples[spec.name, c]
             )
             base = base or row["output_throughput"]
+            if spec.name in pairs:
+                column, partner = pairs[spec.name]
+                row[column] = statistics.median(
+                    s["output_throughput"] / p["output_throughput"]
+                    for s, p in zip(samples[spec.name, c], samples[partner, c])
+                )
             rows.append(
                 {
                     "server": spec.name,
@@ -108,6 +120,21 @@ def run(cfg: DictConfig) -> Rows:
                 }
             )
     return rows
+
+
+def paired_variants(variants: list[list[str]], paired_with: str | None) -> dict[str, tuple[str, str]]:
+    """Each inferlab-serve variant's server name -> (its ratio column, the name of the variant it is divided by: its
+    overrides with `paired_with`, key=value, in place of its own value of that key); {} without `paired_with`."""
+    if not paired_with:
+        return {}
+    key, value = paired_with.split("=", 1)
+    names = {inferlab_server("", list(v)).name: list(v) for v in variants}
+    pairs = {}
+    for name, overrides in names.items():
+        partner = inferlab_server("", [paired_with if o.split("=", 1)[0] == key else o for o in overrides]).name
+        if partner in names:
+            pairs[name] = (f"vs_{key}_{value}", partner)
+    return pairs
 
 
 def server_specs(cfg: DictConfig, model_name: str, gguf: Path | None) -> tuple[list[ServerSpec], Rows]:
