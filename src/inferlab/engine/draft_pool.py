@@ -22,11 +22,10 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.block_manager import BlockManager, BlockTable
-from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, Proposal, draft_distribution
+from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, Proposal, pick_draft_token
 from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.kv_cache import compute_kv_cache_bytes
 from inferlab.engine.paged import PagedKVCache
-from inferlab.engine.sampling import draw
 from inferlab.engine.sequence import Request
 
 
@@ -87,6 +86,7 @@ class ModelDrafts(LoopDrafts):
         tokens: list[list[int]] = [[] for _ in wants]
         dists: list[list[Tensor]] = [[] for _ in wants]
         feeds = {i: self._first_feed(r) for i, (r, k) in enumerate(wants) if k > 0}
+        vocab, min_confidence = self.drafter.model.config.vocab_size, self.drafter.min_confidence
         while feeds:
             live = {i: feed for i, feed in feeds.items() if self._room(wants[i][0], feed)}
             if not live:
@@ -97,9 +97,11 @@ class ModelDrafts(LoopDrafts):
             for (i, feed), row in zip(live.items(), logits):
                 request, k = wants[i]
                 self._fed(request, len(feed.tokens))
-                token, confidence = self._pick(request, row, dists[i])
+                token, confidence = pick_draft_token(
+                    row, request.params, request.generator, vocab, min_confidence, dists[i]
+                )
                 tokens[i].append(token)
-                if len(tokens[i]) < k and confidence >= self.drafter.min_confidence:
+                if len(tokens[i]) < k and confidence >= min_confidence:
                     feeds[i] = Segment([token], feed.start + len(feed.tokens), feed.blocks)
         return [Proposal(t, torch.stack(d) if d else None) for t, d in zip(tokens, dists)]
 
@@ -116,19 +118,6 @@ class ModelDrafts(LoopDrafts):
         return torch.cat(
             [forward_flat(self.drafter.model, self.cache, FlatBatch.pack(g, device), fused) for g in groups]
         )
-
-    def _pick(self, request: Request, logits: Tensor, dists: list[Tensor]) -> tuple[int, float]:
-        """The draft token from its (vocab,) logits, and the draft's probability of it; at T > 0 the
-        distribution it was drawn from goes to `dists` (the acceptance rule needs it)."""
-        params = request.params
-        if params.greedy:
-            token = int(torch.argmax(logits))
-            confidence = float(torch.softmax(logits.float(), -1)[token]) if self.drafter.min_confidence else 1.0
-            return token, confidence
-        q = draft_distribution(logits, params, self.drafter.model.config.vocab_size)
-        token = draw(q, request.generator)
-        dists.append(q)
-        return token, float(q[token])
 
     @abstractmethod
     def _first_feed(self, request: Request) -> Segment:
