@@ -202,6 +202,8 @@ def test_serving_drives_every_server_over_every_level_in_one_job(tmp_path: Path)
     for row in (row for row in measured if row["server"] == "inferlab"):  # its engine's own step profile of the load
         assert row["steps_per_s"] > 0 and row["decode_rows_per_step"] > 0 and row["prompt_rows_per_step"] > 0
         assert 0 < row["forward_ms"] <= row["step_ms"] and row["attention_ms"] <= row["forward_ms"]
+        rows_per_step = row["decode_rows_per_step"] + row["prompt_rows_per_step"]
+        assert row["forward_ms_per_row"] == pytest.approx(row["forward_ms"] / rows_per_step)
         assert 0 < row["engine_ttft_ms"] and 0 < row["event_loop_cpu_pct"] < row["process_cpu_pct"]
     log = next(path for path in tmp_path.rglob("inferlab.log"))
     assert "precision int4 (auto: the GGUF's Q4_1)" in log.read_text()  # inferlab-serve ran its defaults

@@ -3,8 +3,9 @@
 The engine loop counts its steps, token rows and each phase's seconds (engine/step_stats.py) and the server
 the CPU time of its process and its HTTP event loop; the difference of two scrapes around one load, over
 its steps or its wall time, says what a step held and where its time went: the forward (and its attention
-outside the matrix products), scheduling and packing, sampling, the hand-off to the event loop, the engine
-thread waiting for a core, the loop idle for lack of work.
+outside the matrix products; and per token row, what one more sequence costs at that load), scheduling and
+packing, sampling, the hand-off to the event loop, the engine thread waiting for a core, the loop idle for lack
+of work.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ PROFILE_COLUMNS = (
     "fused_steps_pct",
     "step_ms",
     "forward_ms",
+    "forward_ms_per_row",
     "attention_ms",
     "schedule_ms",
     "sample_ms",
@@ -41,6 +43,7 @@ def step_profile(before: dict[str, float], after: dict[str, float], wall_s: floa
     """The PROFILE_COLUMNS of one load of `wall_s` seconds from the counters scraped before and after it."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     steps = max(d["engine_steps"], 1.0)
+    rows = max(d["engine_decode_rows"] + d["engine_prompt_rows"], 1.0)
 
     def per_step(*names: str) -> float:
         return 1e3 * sum(d[f"engine_{n}_s"] for n in names) / steps
@@ -52,6 +55,7 @@ def step_profile(before: dict[str, float], after: dict[str, float], wall_s: floa
         "fused_steps_pct": 100 * d["engine_fused_steps"] / steps,
         "step_ms": per_step("step"),
         "forward_ms": per_step("forward"),
+        "forward_ms_per_row": 1e3 * d["engine_forward_s"] / rows,  # what a token row costs at this load
         "attention_ms": per_step("attention"),
         "schedule_ms": per_step("schedule", "pack"),
         "sample_ms": per_step("sample"),
