@@ -3,8 +3,10 @@
 inferlab-serve runs once per `study.inferlab_variants` entry (overrides; the serving_spec study: spec off and
 spec=self at the same precision). Every server is started once on its own loopback port, on the same weights (the job's GGUF), and the same
 load generator drives each in turn with the same prompts, the others paused (SIGSTOP) meanwhile: in each round, for each concurrency level, every
-server gets one closed-loop streaming load of max(load.num_requests, c) requests (the server order
-rotates between rounds). Each figure is the median over the rounds. With `study.paired_with` (serving_spec:
+server gets one closed-loop streaming load of max(load.num_requests, c) requests, in the listed order in even
+rounds and in reverse in odd ones: each server runs before and after each other one about equally often (rotated,
+4 servers over 5 rounds ran spec off before its spec=self partner 4 times of 5). Each figure is the median over the
+rounds. With `study.paired_with` (serving_spec:
 spec=off), each inferlab-serve variant's output tok/s is also divided by that of the variant with that override
 in place of its own, load by load (same round, same level, seconds apart), and the median of those ratios is
 its `vs_<key>_<value>` column: a shared machine's drift over the minutes of a round cancels in it, where the
@@ -87,7 +89,7 @@ def run(cfg: DictConfig) -> Rows:
             drive(spec, prompts[levels[0]][: max(1, int(cfg.measure.warmup))], 1)
         for r in tqdm(range(int(cfg.measure.repeats)), desc="serving rounds", leave=False):
             for c in levels:
-                for spec in specs[r % len(specs) :] + specs[: r % len(specs)]:
+                for spec in specs if r % 2 == 0 else specs[::-1]:
                     samples[spec.name, c].append(drive(spec, prompts[c], c))
     pairs = paired_variants(study.inferlab_variants, study.get("paired_with"))
     for spec in specs:
