@@ -203,8 +203,9 @@ def test_gemv_leaves_its_input_alone_and_refuses_what_it_does_not_cover(isa):
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
 def test_decode_attention_writes_the_step_and_equals_sdpa(isa, dtype, block_size, heads, head_dim):
     """One query per sequence, each at its own length, over blocks of a shared pool found through its block
-    table (one 640-token block per slot is the contiguous cache), GQA groups (attended a group at a time, up to 8
-    query heads per pass over their keys); head dims of 4 and 8 widest vectors (unrolled) and of 5 narrow ones."""
+    table (one 640-token block per slot is the contiguous cache), GQA groups (up to 8 query heads a task, in tiles
+    of 4, 2 or 1 per pass over their keys by head dim and build: groups of 8 and 16 take several); head dims of 4 and 8 widest vectors
+    (unrolled) and of 5 narrow ones."""
     torch.manual_seed(block_size)
     (n_heads, n_kv_heads), lengths = heads, [1, 8, 77, 600]
     per_sequence = -(-640 // block_size)

@@ -232,10 +232,10 @@ class ModelDraftState(DraftState):
         tokens: list[int] = []
         dists: list[Tensor] = []
         pending = context[self.runner.length :]  # what the draft has not seen yet (after a rollback: >= 1)
+        vocab = self.runner.model.config.vocab_size
         for _ in range(k):
             logits = self.runner.forward(pending, last_only=True)[-1]  # (vocab,)
             self.calls += 1
-            vocab = self.runner.model.config.vocab_size
             token, confidence = pick_draft_token(logits, params, generator, vocab, self.min_confidence, dists)
             tokens.append(token)
             if confidence < self.min_confidence:

@@ -1,20 +1,22 @@
 """serving: output tokens/s, TTFT and TPOT of inferlab-serve, llama.cpp's server and vLLM's, side by side.
 
 inferlab-serve runs once per `study.inferlab_variants` entry (overrides; the serving_spec study: spec off and
-spec=self at the same precision). Every server is started once on its own loopback port, on the same weights (the job's GGUF), and the same
-load generator drives each in turn with the same prompts, the others paused (SIGSTOP) meanwhile: in each round, for each concurrency level, every
-server gets one closed-loop streaming load of max(load.num_requests, c) requests, in the listed order in even
-rounds and in reverse in odd ones: each server runs before and after each other one about equally often (rotated,
-4 servers over 5 rounds ran spec off before its spec=self partner 4 times of 5). Each figure is the median over the
-rounds. With `study.paired_with` (serving_spec:
-spec=off), each inferlab-serve variant's output tok/s is also divided by that of the variant with that override
-in place of its own, load by load (same round, same level, seconds apart), and the median of those ratios is
-its `vs_<key>_<value>` column: a shared machine's drift over the minutes of a round cancels in it, where the
-ratio of two medians keeps it (3 rounds of spec off and spec=self at c=8, the same steps run, read 0.89x; 8 rounds,
-1.02x). A peer that is not installed (or, for
-vLLM, no `study.vllm_python`) gives a row saying so instead. inferlab-serve's rows also carry its engine's step
-profile of each load (bench/engine_profile.py): steps/s, rows per step and each phase's ms per step, from its
-own counters, so a level's figures come with why.
+spec=self at the same precision). Every server is started once on its own loopback port, on the same weights (the
+job's GGUF), and the same load generator drives each in turn with the same prompts, the others paused (SIGSTOP)
+meanwhile: in each round, for each concurrency level, every server gets one closed-loop streaming load of
+max(load.num_requests, c) requests, in the listed order in even rounds and in reverse in odd ones, so each server
+runs before and after each other one about equally often (rotated, 4 servers over 5 rounds ran spec off before
+its spec=self partner 4 times of 5). Each figure is the median over the rounds.
+
+With `study.paired_with` (serving_spec: spec=off), each inferlab-serve variant's output tok/s is also divided by
+that of the variant with that override in place of its own, load by load (same round, same level, seconds apart),
+and the median of those ratios is its `vs_<key>_<value>` column: a shared machine's drift over a round's minutes
+cancels in it, where the ratio of two medians keeps it (3 rounds of spec off and spec=self at c=8, the same steps
+run, read 0.89x; 8 rounds, 1.02x).
+
+A peer that is not installed (or, for vLLM, no `study.vllm_python`) gives a row saying so instead. inferlab-serve's
+rows also carry its engine's step profile of each load (bench/engine_profile.py): steps/s, rows per step and each
+phase's ms per step, from its own counters, so a level's figures come with why.
 """
 
 from __future__ import annotations

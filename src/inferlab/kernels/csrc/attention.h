@@ -136,7 +136,8 @@ struct SequenceBlocks {
   }
 };
 
-constexpr int64_t kMaxGroup = 8;  // query heads attended in one pass over the keys they share
+constexpr int64_t kMaxGroup = 8;  // query heads of one task (write_and_attend), attended a tile at a time
+constexpr int64_t kMaxV = kMaxHeadDim / 8;  // vectors of a head's row at most (8 lanes)
 constexpr int kTileSums = 16;     // vectors of sums a tile of query heads keeps in registers: heads x vectors of D
 
 // f(std::integral_constant<int, n>) for 1 <= n <= N: a tile of n query heads, n known at compile time
@@ -156,7 +157,6 @@ void with_heads(int64_t n, const F& f) {
 template <typename S, int V_, int GT, typename T>
 void score_heads(const float* q, const KvPool<T>& keys, const int64_t* table, int64_t h, int64_t L, int64_t D,
                  float scale, float* p, float* max_score) {
-  constexpr int64_t kMaxV = kMaxHeadDim / 8;
   const int64_t V = V_ ? V_ : D / S::N;
   typename S::V qv[GT][V_ ? V_ : kMaxV];
   float top[GT];
@@ -182,7 +182,6 @@ void score_heads(const float* q, const KvPool<T>& keys, const int64_t* table, in
 template <typename S, int V_, int GT, typename T>
 void weigh_values(const float* p, const float* inv_sum, const KvPool<T>& values, const int64_t* table, int64_t h,
                   int64_t L, int64_t D, float* out) {
-  constexpr int64_t kMaxV = kMaxHeadDim / 8;
   const int64_t V = V_ ? V_ : D / S::N;
   typename S::V acc[GT][V_ ? V_ : kMaxV];
   for (int g = 0; g < GT; ++g) {
