@@ -54,8 +54,18 @@ def test_the_engine_loop_steps_a_lone_decode_on_one_thread_with_the_same_tokens(
     assert {n for rows, n in forwards if rows > 2} == {full}  # the prompts
 
 
-def thread_count() -> int:
-    return len(os.listdir("/proc/self/task"))
+def os_threads() -> set[str]:
+    """This process's OS threads (their ids)."""
+    return set(os.listdir("/proc/self/task"))
+
+
+def none_left_since(before: set[str], timeout: float = 5.0) -> bool:
+    """Whether every OS thread started after `before` was taken has ended (waiting up to `timeout` s). Threads of
+    other tests that end meanwhile do not count: a worker of the test run holds threads of its earlier tests."""
+    deadline = time.monotonic() + timeout
+    while os_threads() - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not os_threads() - before
 
 
 @needs_two
@@ -64,13 +74,10 @@ def test_work_on_its_own_thread_leaves_no_openmp_team_behind():
     """What a parallel region started on a thread leaves (its OpenMP team) goes when that thread ends; the result
     and the exception come back to the caller."""
     big = torch.ones(1 << 22)
-    before = thread_count()
+    before = os_threads()
     total = on_own_thread(lambda: float(big.add(1).sum()))
     assert total == 2 * big.numel()
-    deadline = time.monotonic() + 5  # the team's threads end as their owner does, not before it returns
-    while thread_count() != before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert thread_count() == before
+    assert none_left_since(before)  # the team's threads end as their owner does, not before it returns
     with pytest.raises(ValueError, match="bad model"):
         on_own_thread(lambda: (_ for _ in ()).throw(ValueError("bad model")))
 
@@ -82,13 +89,10 @@ def test_a_closed_or_dropped_engine_leaves_no_loop_thread_or_openmp_team_behind(
     that one's steps wait on a futex. close() ends it (later requests are refused), and so does dropping the engine."""
     big = torch.ones(1 << 22)
     float(big.add(1).sum())  # this thread's own team, before counting
-    before = thread_count()
+    before = os_threads()
 
     def loop_thread_gone() -> bool:
-        deadline = time.monotonic() + 5
-        while thread_count() != before and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return thread_count() == before and "inferlab-engine" not in {t.name for t in threading.enumerate()}
+        return none_left_since(before) and "inferlab-engine" not in {t.name for t in threading.enumerate()}
 
     engine = tiny_engine(tiny_tokenizer, "paged")
     want = engine.generate(list(range(5, 25)), max_new_tokens=4).token_ids
