@@ -290,10 +290,17 @@ void rows(const F& f, int64_t M, const float* scales, const float* bias, Y* y, i
   const bool many = M > kDecodeRows;
   const int64_t tile = many ? std::max<int64_t>(F::kRows, kTileBytes / row_bytes / F::kRows * F::kRows)
                             : M <= F::kChunk ? end - begin : F::kRows;
+  // activation rows in chunks of near-equal size (5 rows: 3 + 2, not 4 + 1): a chunk of one row beside others
+  // sums into one chain of fused multiply-adds that waits on itself, the weights already in cache (a bf16 step
+  // of 5 rows, AVX-512 Zen 4: ~1.3x its step of 4; in chunks of 3 and 2, ~1.0x). Which chunk a row falls in
+  // does not change its sums
+  const int64_t chunks = (M + F::kChunk - 1) / F::kChunk;
   for (int64_t t = begin; t < end; t += tile) {
     const int64_t t_end = std::min(end, t + tile);
-    for (int64_t m0 = 0; m0 < M; m0 += F::kChunk) {
-      chunk_rows_of<F, Y>(std::min<int64_t>(F::kChunk, M - m0), f, m0, scales, bias, y, N, t, t_end);
+    for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+      const int64_t rows_in_chunk = M / chunks + (c < M % chunks);
+      chunk_rows_of<F, Y>(rows_in_chunk, f, m0, scales, bias, y, N, t, t_end);
+      m0 += rows_in_chunk;
     }
   }
 }
