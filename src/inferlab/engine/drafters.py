@@ -260,8 +260,9 @@ def pick_draft_token(
     argmax over SmolLM2's 49k bf16 logits takes ~180 us, 1/20 of an int4 draft step), its softmax only when
     `min_confidence` asks for it."""
     if params.greedy:
-        token = argmax_rows(logits[None])[0]
-        return token, float(torch.softmax(logits.float(), -1)[token]) if min_confidence else 1.0
+        row = logits.float()  # widened once, for the argmax and the confidence
+        token = argmax_rows(row[None])[0]
+        return token, float(torch.softmax(row, -1)[token]) if min_confidence else 1.0
     q = draft_distribution(logits, params, vocab)
     token = draw(q, generator)
     dists.append(q)
