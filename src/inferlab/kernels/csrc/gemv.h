@@ -46,6 +46,7 @@ constexpr float kInt16Max = 16383;    // activation codes for integer weights: 2
 // stream (SmolLM2 fp32 at 7 rows: 2.4 -> 1.2 one-row steps, bf16 3.2 -> 2.2, with kRows weight rows per call)
 constexpr int64_t kL2PrefetchBytes = 32 * 1024;
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kL2PrefetchBytes, _MM_HINT_T1); }
+constexpr int64_t kL1PrefetchBytes = 4 * 1024;  // int4 tiles: the lines requested into L1 this far ahead too
 
 inline void prefetch_lines(const void* p, int64_t bytes) {  // every 64-byte line of [p, p + bytes)
   for (int64_t b = 0; b < bytes; b += 64) prefetch_l2(static_cast<const char*>(p) + b);
@@ -481,20 +482,29 @@ struct Int4Format {
     constexpr int C = chains(M), kGroup = C / 2;  // sums per activation row; chunks whose sums are apart
     L::V acc[M];  // not sum itself: through the pointer, each update went to memory and back
     for (int m = 0; m < M; ++m) acc[m] = L::zero();
+    const bool prefetch = from_memory && rows.in_memory();
     for (int64_t kb = 0; kb < blocks; ++kb) {
       L::I dots[M * C];  // per activation row, per chunk of a group: even s, odd s
       for (int i = 0; i < M * C; ++i) dots[i] = L::zero_int();
       // each line of the tile's stream requests the one kL2PrefetchBytes on, on the first pass over it
-      if (from_memory && rows.in_memory()) prefetch_l2(rows.group_line(block_group[kb]));
+      if (prefetch) prefetch_l2(rows.group_line(block_group[kb]));
+      // the block's chunks lie in one vector of chunks (kBlock / 8 divides L::N): their pairs at block_pairs + j, per
+      // activation row a stride on (computed once a block, not per chunk: steps of 5 rows 1.07-1.14x as fast)
+      const int32_t* block_pairs = pairs(m0, kb * kBlock / 8);
 #pragma GCC unroll 4  // whole: which sums a chunk updates is then known at compile time, and they stay in registers
       for (int j = 0; j < kBlock / 8; ++j) {  // the block's chunks
         const int64_t c = kb * kBlock / 8 + j;
-        if (from_memory && rows.in_memory()) prefetch_l2(rows.code_lanes + c * L::N);
+        if (prefetch) {  // into L2 far ahead, and from there into L1 a little ahead (a decode step's rows
+                         // 1.03-1.06x as fast, AVX-512 Zen 5, in-process A/B): each line takes several
+                         // instructions, so fewer lines wait in the instruction window than in a dense row
+          prefetch_l2(rows.code_lanes + c * L::N);
+          _mm_prefetch(reinterpret_cast<const char*>(rows.code_lanes + c * L::N) + kL1PrefetchBytes, _MM_HINT_T0);
+        }
         L::I w[4];
         nibble_pairs(rows.codes(c), w);
         const int chunk_sums = j % kGroup * 2;
         for (int m = 0; m < M; ++m) {  // each activation pair broadcast from memory into its instruction
-          const int32_t* x_pairs = pairs(m0 + m, c);
+          const int32_t* x_pairs = block_pairs + m * stride + j;
           for (int s = 0; s < 4; ++s) {
             L::I& d = dots[m * C + chunk_sums + s % 2];
             d = L::dot_int16(d, w[s], L::set1_int(x_pairs[s * L::N]));
