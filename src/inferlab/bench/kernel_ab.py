@@ -1,0 +1,140 @@
+"""Two builds of the CPU kernels timed side by side in one process: this checkout's csrc/ and another copy of it
+(a change under test), on the same products of SmolLM2's layer shapes, in turns, round after round.
+
+    python -m inferlab.bench.kernel_ab OTHER_CSRC [--formats fp32,bf16,int8,int4] [--rows 1,5,128] [--layers 1]
+
+On a shared machine the speed of one process drifts by tens of percent within minutes, so two processes run one
+after the other (one per build) disagree by more than most kernel changes are worth; in turns within one process
+both builds meet the same drift, and the median of their per-round ratio is what changed. The other build is
+compiled under an instruction set name of its own (simd.h's INFERLAB_ISA with a suffix: its symbols and op
+library apart from this checkout's), and cached by its content. Each product's results are compared too: a
+change that keeps every row's sums in their order keeps them to the bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from inferlab.kernels.build import CFLAGS, CSRC, active_isa, kernel_ops, kernels_build_dir
+from inferlab.kernels.isa import Isa
+from inferlab.quant.int4 import pack_nibbles, quantize_groups_int4, tile_parts, tile_rows
+
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's qkv, o, gate|up, down (N, K)
+FORMATS = ("fp32", "bf16", "int8", "int4")
+Weights = tuple[Tensor, Tensor | None, Tensor | None]  # weight, scales, mins as the gemv op takes them
+
+
+@dataclass
+class Comparison:
+    format: str
+    rows: int
+    gflops: tuple[float, float]  # this checkout's build, the other's: medians over the rounds
+    ratio: float  # the median over rounds of this build's time over the other's (> 1: the other is faster)
+    same: bool  # every product equal to the bit
+
+
+def load_build(csrc: Path, isa: Isa) -> Any:
+    """The kernels of `csrc` for `isa`, under a name of their own: their op library (torch.ops.inferlab_<name>)."""
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sorted(csrc.iterdir())))
+    name = f"{isa.name}_ab{digest.hexdigest()[:10]}"
+    root = kernels_build_dir(isa).parent.parent / "ab" / name
+    sources = root / "csrc"
+    if not sources.exists():
+        shutil.copytree(csrc, sources)
+        simd = sources / "simd.h"
+        simd.write_text(
+            simd.read_text().replace(f"#define INFERLAB_ISA {isa.name}\n", f"#define INFERLAB_ISA {name}\n")
+        )
+    load(
+        name=f"inferlab_kernels_{name}",
+        sources=[str(p) for p in sorted(sources.glob("*.cpp"))],
+        build_directory=str(root),
+        extra_cflags=[*CFLAGS, *isa.cflags],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
+    return getattr(torch.ops, f"inferlab_{name}")
+
+
+def random_weights(weight_format: str, n: int, k: int, tile_rows_: int) -> Weights:
+    """An (n, k) layer in `weight_format`, random values, laid out as the kernels read it."""
+    if weight_format == "int4":
+        codes, scales, mins = quantize_groups_int4(torch.randn(n, k), 32)
+        tiles = tile_rows(pack_nibbles(codes), scales, mins, tile_rows_)
+        _, tile_scales, tile_mins = tile_parts(tiles, scales.shape[1])
+        return tiles, tile_scales, tile_mins
+    if weight_format == "int8":
+        return torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) / 100, None
+    return torch.randn(n, k).to(torch.float32 if weight_format == "fp32" else torch.bfloat16), None, None
+
+
+def compare(
+    other: Path, formats: list[str], rows: list[int], layers: int = 1, rounds: int = 20, min_flops: float = 2e8
+) -> list[Comparison]:
+    """Time every product of `layers` layers (distinct weights: more layers, more of them streamed from memory) at
+    each count of activation rows, this checkout's build and `other`'s in turns, `rounds` times."""
+    isa = active_isa()
+    if isa is None:
+        raise RuntimeError("the CPU kernels are not built here (no AVX2 or no C++ compiler)")
+    builds = [kernel_ops(), load_build(other, isa)]
+    tile_rows_ = builds[0].int4_tile_rows()
+    shapes = LAYER_SHAPES * layers
+    results = []
+    for weight_format in formats:
+        weights = [random_weights(weight_format, n, k, tile_rows_) for n, k in shapes]
+        for m in rows:
+            xs = [torch.randn(m, k) for _, k in shapes]
+            flops = 2 * m * sum(n * k for n, k in shapes)
+            repeats = max(1, int(min_flops // flops))
+
+            def run(ops: Any) -> list[Tensor]:
+                return [ops.gemv(x, w, s, None, None, 0.0, mins, False) for x, (w, s, mins) in zip(xs, weights)]
+
+            same = all(torch.equal(a, b) for a, b in zip(*(run(ops) for ops in builds)))
+            seconds: list[list[float]] = [[], []]
+            for _ in range(rounds):
+                for ops, timed in zip(builds, seconds):
+                    start = time.perf_counter()
+                    for _ in range(repeats):
+                        run(ops)
+                    timed.append((time.perf_counter() - start) / repeats)
+            ratio = statistics.median(a / b for a, b in zip(*seconds))
+            gflops = tuple(flops / statistics.median(timed) / 1e9 for timed in seconds)
+            results.append(Comparison(weight_format, m, (gflops[0], gflops[1]), ratio, same))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("other", type=Path, help="a copy of kernels/csrc with the change under test")
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--rows", default="1,5,128", help="activation rows per product")
+    parser.add_argument("--layers", type=int, default=1, help="30: a whole model's weights, beyond the caches")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as they are)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"this checkout: {CSRC}\nother: {args.other}\n")
+    print(f"{'format':6} {'rows':>5} {'GF/s here':>10} {'GF/s other':>10} {'other faster':>12}  same")
+    formats = [f for f in args.formats.split(",") if f]
+    if unknown := sorted(set(formats) - set(FORMATS)):
+        parser.error(f"--formats: {unknown} not among {list(FORMATS)}")
+    for c in compare(args.other, formats, [int(r) for r in args.rows.split(",")], args.layers, args.rounds):
+        print(f"{c.format:6} {c.rows:5d} {c.gflops[0]:10.0f} {c.gflops[1]:10.0f} {c.ratio:11.2f}x  {c.same}")
+
+
+if __name__ == "__main__":
+    main()
