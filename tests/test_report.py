@@ -12,6 +12,7 @@ from nbclient import NotebookClient
 
 from inferlab.report.build import build
 from inferlab.report.collect import collect
+from inferlab.report.targets import target_table
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
 
@@ -212,6 +213,36 @@ def test_a_study_shows_its_further_tables_for_the_rows_that_have_their_values(tm
     report_file = tmp_path / "REPORT.md"
     build(root, tmp_path / "outputs" / "report", report_file)
     serving = report_file.read_text().split("## Serving under concurrency")[1].split("\n## ")[0]
-    main, profile_table = serving.split("![")[0].split("Where inferlab-serve's time went")
+    main, profile_table = serving.split("Targets, checked")[0].split("Where inferlab-serve's time went")
     assert "| llama.cpp | 40 " in main and "| inferlab  | 90 " in main
     assert "| 12.5 " in profile_table and "| 80 " in profile_table and "llama.cpp" not in profile_table
+
+
+def test_targets_say_which_are_met_and_by_how_much_the_others_are_missed():
+    rows = pd.DataFrame(
+        [
+            {"server": "inferlab", "isa": "avx2", "concurrency": 8.0, "tok_s": 300.0, "ttft_ms": 20.0},
+            {"server": "inferlab", "isa": "avx512", "concurrency": 8.0, "tok_s": 450.0, "ttft_ms": 30.0},
+            {"server": "vllm", "isa": None, "concurrency": 8.0, "tok_s": 200.0, "ttft_ms": 50.0},
+        ]
+    )
+    where = {"server": "inferlab", "concurrency": 8}
+    targets = [
+        {"name": "fastest build vs vllm", "value": "tok_s", "where": where, "over": {"server": "vllm"}, "pick": "max",
+         "at_least": 1.5},
+        {"name": "median build vs vllm", "value": "tok_s", "where": where, "over": {"server": "vllm"}, "at_least": 2},
+        {"name": "ttft", "value": "ttft_ms", "where": where, "at_most": 20},
+        {"name": "a level not run", "value": "tok_s", "where": {"server": "inferlab", "concurrency": 32}, "at_least": 1},
+        {"name": "a column not there", "value": "tpot_ms", "where": where, "at_most": 1},
+    ]  # fmt: skip
+    table = target_table(rows, targets)
+    assert list(table.columns) == ["target", "measured", "goal", "verdict"]
+    assert table.measured.iloc[:3].tolist() == [2.25, 1.875, 25.0] and table.measured.iloc[3:].isna().all()
+    assert table.goal.tolist() == [">= 1.5", ">= 2", "<= 20", ">= 1", "<= 1"]
+    assert table.verdict.tolist() == [
+        "met",
+        "missed: 0.94x the goal",
+        "missed: 1.25x the goal",
+        "not measured here",
+        "not measured here",
+    ]

@@ -1,7 +1,7 @@
 """inferlab-report: collect outputs/ into results.csv, draw the charts, regenerate INFERENCE_BENCHMARK_REPORT.md.
 
 Every table is rendered from the CSV as read back from disk, and every section is described by its study's
-`report:` block in conf/study/NAME.yaml (table layout, chart), so a new study gets a section by config alone.
+`report:` block in conf/study/NAME.yaml (table layout, chart, targets), so a new study gets a section by config alone.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from inferlab.cli import hydra_app
 from inferlab.paths import conf_dir
 from inferlab.report.collect import collect
 from inferlab.report.plots import chart
+from inferlab.report.targets import target_table
 
 ENV_COLUMNS = {
     "cpu_model": "CPU",
@@ -36,6 +37,9 @@ def main(cfg: DictConfig) -> None:
         print(f"updated the headline sections in {cfg.readme}", file=sys.stderr)
 
 
+TARGETS_CAPTION = (
+    "Targets, checked against the rows above (a ratio where two of them are compared); a missed one says by how much:"
+)
 README_START, README_END = "<!-- report:start -->", "<!-- report:end -->"
 
 
@@ -120,6 +124,8 @@ def _section(frame: pd.DataFrame, spec: dict[str, Any], report_dir: Path, rel: P
         some = ok[ok[values].notna().any(axis=1)] if values else ok.iloc[:0]
         if not some.empty:
             body += [extra["caption"], _markdown(_table(some, extra))]
+    if "targets" in layout:
+        body += [TARGETS_CAPTION, _markdown(target_table(ok, layout["targets"]))]
     if "chart" in layout:
         png = chart(ok, layout["chart"], spec["title"], report_dir / f"{spec['name']}.png")
         body.append(f"![{spec['title']}]({rel / png.name})")

@@ -1,0 +1,63 @@
+"""A study's targets, checked against its own rows: each target is a value of the rows matching `where` (or that
+value over the same value of the rows matching `where` updated by `over`: a ratio of two rows of the same job), at
+least or at most a goal. The report then says which targets are met and by how much the others are missed, beside
+the numbers that explain them, and says so again whenever the numbers change.
+
+In conf/study/NAME.yaml, under `report:`:
+
+    targets:
+      - {name: output tok/s vs vLLM at c=8, value: output_throughput, where: {server: inferlab, concurrency: 8},
+         over: {server: vllm}, at_least: 1.5}
+
+`pick: max` takes the largest of several matching rows (say, inferlab's builds for each instruction set this CPU
+runs); by default their median.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+
+def target_table(rows: pd.DataFrame, targets: list[dict[str, Any]]) -> pd.DataFrame:
+    """One line per target: what it compares, the measured value, the goal, and met / missed by how much."""
+    lines = []
+    for target in targets:
+        pick = target.get("pick", "median")
+        measured = _value(rows, target["where"], target["value"], pick)
+        if "over" in target:
+            measured /= _value(rows, {**target["where"], **target["over"]}, target["value"], pick)
+        at_least = "at_least" in target
+        goal = float(target["at_least"] if at_least else target["at_most"])
+        lines.append(
+            {
+                "target": target["name"],
+                "measured": measured,
+                "goal": f"{'>=' if at_least else '<='} {goal:g}",
+                "verdict": _verdict(measured, goal, at_least),
+            }
+        )
+    return pd.DataFrame(lines, columns=["target", "measured", "goal", "verdict"])
+
+
+def _value(rows: pd.DataFrame, where: dict[str, Any], column: str, pick: str) -> float:
+    """`column` of the rows where every key of `where` has its value (NaN where none does)."""
+    if column not in rows or any(key not in rows for key in where):
+        return math.nan
+    matching = rows
+    for key, wanted in where.items():
+        matching = matching[matching[key] == wanted]
+    values = matching[column].dropna()
+    if values.empty:
+        return math.nan
+    return float(values.max() if pick == "max" else values.median())
+
+
+def _verdict(measured: float, goal: float, at_least: bool) -> str:
+    if math.isnan(measured):
+        return "not measured here"
+    if measured >= goal if at_least else measured <= goal:
+        return "met"
+    return f"missed: {measured / goal:.2f}x the goal" if goal else "missed"
