@@ -97,9 +97,10 @@ inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1)
 //   dot<R, M>(n, acc, m0, from_memory): acc[r * M + m] = (weight row n + r) . (activation row m0 + m) / x_scale[m0 + m]
 // with each product's sum in one order for every R and M (batch invariance). from_memory: this is the call's first
 // pass over these weight rows, whose stream is prefetched; later passes (more activation rows) find them in cache,
-// where a prefetch per line is only one more load instruction per few multiply-adds (fp32 weights, 128 rows,
-// SmolLM2's layers, AVX-512 Zen 5: 1.14-1.39x as fast without them, bf16 1.02-1.10x, int8 1.02x, int4 1.06x; in-process A/B). kTileRows weight rows go
-// into one dot call with a single activation row, kRows with up to kChunk of many activation rows.
+// where a prefetch per line is only one more load instruction per few multiply-adds (SmolLM2's layers at 128 rows,
+// AVX-512 Zen 5, bench/kernel_ab.py: fp32 1.14-1.39x as fast without them, bf16 1.02-1.10x, int8 1.02x, int4
+// 1.06x). kTileRows weight rows go into one dot call with a single activation row, kRows with up to kChunk of many
+// activation rows.
 // The dense formats share one loop over steps of Step::kWidth weights (DenseFormat); a K that is not a
 // multiple of kWidth (only ever by kStep) ends with Step::tail, which reads the first kStep weights of a
 // step (the activations are zero-padded to whole steps). int4 has groups.
