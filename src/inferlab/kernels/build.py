@@ -58,9 +58,6 @@ def load_isa(name: str) -> bool:
     """Build (first call on a machine: ~1 min; then cached) and load the kernels for one instruction set;
     False where they cannot be built (no compiler, no ninja)."""
     isa = ISAS[name]
-    from torch.utils.cpp_extension import load
-
-    _put_ninja_on_path()
     build_dir = kernels_build_dir(isa)
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
@@ -70,18 +67,27 @@ def load_isa(name: str) -> bool:
             flush=True,
         )
     try:
-        load(
-            name=f"inferlab_kernels_{isa.name}",
-            sources=[str(p) for p in SOURCES],
-            build_directory=str(build_dir),
-            extra_cflags=[*CFLAGS, *isa.cflags],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        compile_kernels(isa, isa.name, SOURCES, build_dir)
     except Exception as error:  # no compiler, no ninja: the portable path serves
         log.warning("CPU decode kernels unavailable (%s); using F.linear", str(error).splitlines()[0])
         return False
     return True
+
+
+def compile_kernels(isa: Isa, name: str, sources: list[Path], build_dir: Path) -> None:
+    """Compile `sources` for `isa` into build_dir (unless built there already) and load them: the op library the
+    sources name (simd.h's INFERLAB_OPS; `name` only names the shared object)."""
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    load(
+        name=f"inferlab_kernels_{name}",
+        sources=[str(p) for p in sources],
+        build_directory=str(build_dir),
+        extra_cflags=[*CFLAGS, *isa.cflags],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
 
 
 def kernels_build_dir(isa: Isa) -> Path:

@@ -1,5 +1,5 @@
 """A study's targets, checked against its own rows: each target is a value of the rows matching `where` (or that
-value over the same value of the rows matching `where` updated by `over`: a ratio of two rows of the same job), at
+value over the same value of the rows matching `where` updated by `over`: a ratio of two of its rows), at
 least or at most a goal. The report then says which targets are met and by how much the others are missed, beside
 the numbers that explain them, and says so again whenever the numbers change.
 
