@@ -127,6 +127,57 @@ def test_int4_gemv_is_the_int16_code_product_to_float_rounding(isa, rows, n, k, 
     assert ((y.double() - exact).abs() <= bound).all()
 
 
+def int4_int8_block_code_product(x, codes, scales, mins, bias, group_size):
+    """What the int4 kernel computes with int8 activation codes, exactly: x's int8 codes per block of 32 columns
+    (x * (127 / max|x| of the block), fp32, rounded to nearest even; a code is worth max|x| / 127), their integer
+    dots with the nibble codes per block (int64, exact), then in fp64 the sum over blocks of dot * scale * what a
+    code is worth, plus per group min * the group's sum of x, plus the bias. Returns that and the sum of the
+    terms' magnitudes (the min terms' with the sum of |x|: the kernel sums x in fp32)."""
+    blocks = x.unflatten(-1, (-1, 32))  # (M, B, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    x_codes = torch.round(blocks * torch.where(top > 0, 127 / top, 0.0)).long()
+    dots = torch.einsum("mbk,nbk->mnb", x_codes, codes.long().unflatten(-1, (-1, 32))).double()
+    block_scales = scales.double().repeat_interleave(group_size // 32, dim=1)  # (N, B)
+    dot_terms = dots * block_scales * (top / 127).double().squeeze(-1)[:, None, :]
+    group_x = x.double().unflatten(-1, (-1, group_size))  # (M, G, group)
+    min_terms = group_x.sum(-1)[:, None, :] * mins.double()
+    exact = dot_terms.sum(-1) + min_terms.sum(-1) + (0 if bias is None else bias.double())
+    magnitude = dot_terms.abs().sum(-1) + (group_x.abs().sum(-1)[:, None, :] * mins.double().abs()).sum(-1)
+    return exact, magnitude
+
+
+@needs_gemv
+@pytest.mark.parametrize("layout", ["rows", "tiles"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33])
+@pytest.mark.parametrize(("n", "k", "group_size"), [(203, 1056, 32), (37, 96, 32), (45, 1536, 64)])
+def test_int4_gemv_with_int8_activations_is_the_int8_block_code_product(isa, layout, rows, n, k, group_size):
+    """int8_activations (a draft's): the int4 kernel's integer dots are those of x's int8 codes per 32-column
+    block, exactly; its fp32 sums equal that product within their rounding (a multiply and an update per block, one
+    per group, the group's fp32 sum of x, the bias); a row's result does not depend on the other rows of the call."""
+    torch.manual_seed(rows + k)
+    if layout == "tiles":  # whole blocks of rows
+        n = n // 16 * 16
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales, mins = (
+        (torch.rand(n, k // group_size) / 50).half().float(),
+        (-torch.rand(n, k // group_size) / 7).half().float(),
+    )
+    x, bias = torch.randn(rows, k) * torch.rand(rows, 1) * 4, torch.randn(n)
+    x[0, :32] = 0  # a block of zeros: codes 0, whatever its scale
+    weight = pack_nibbles(codes)
+    if layout == "tiles":
+        weight = tile_rows(weight, scales, mins, int4_tile_rows())
+        _, scales_in, mins_in = tile_parts(weight, k // group_size)
+    else:
+        scales_in, mins_in = scales, mins
+    y = gemv(x, weight, scales_in, bias, None, False, mins_in, int8_activations=True)
+    exact, magnitude = int4_int8_block_code_product(x, codes, scales, mins, bias, group_size)
+    bound = (2 * (k // 32) + k // group_size + group_size + 2) * 2.0**-23 * (magnitude + bias.abs().double())
+    assert ((y.double() - exact).abs() <= bound).all()
+    alone = gemv(x[-1:], weight, scales_in, bias, None, False, mins_in, int8_activations=True)
+    assert torch.equal(alone[0], y[-1])
+
+
 @needs_gemv
 @pytest.mark.parametrize(("k", "group_size"), [(1056, 32), (1536, 64)])
 def test_int4_tiles_give_the_row_layouts_products_to_the_bit(isa, k, group_size):

@@ -60,7 +60,12 @@ class FusedDecode:
         self.max_rows = max_rows  # rows of one step it takes (covers)
 
     @classmethod
-    def build(cls, model: Transformer, device: torch.device, dtype: torch.dtype, kernels: str) -> FusedDecode | None:
+    def build(
+        cls, model: Transformer, device: torch.device, dtype: torch.dtype, kernels: str, int8_activations: bool = False
+    ) -> FusedDecode | None:
+        """The plan of `model`'s step, or None where it does not run fused. `int8_activations`: int4 projections take
+        int8 activation codes per block of 32 columns, not int16 ones per row (csrc/gemv.h's Int4Format: half the
+        multiply-adds, ten times the logit error; for a speculative draft, whose errors cost only acceptance)."""
         config = model.config
         if (
             not config.llama_layer  # the plan runs exactly the Llama layer: other families keep the Python model
@@ -92,6 +97,7 @@ class FusedDecode:
             rope_sin,
             model.norm.weight.detach(),
             output,
+            int8_activations,
         )
         for block, (wqkv, wo, w13, w2) in zip(model.layers, layers):
             plan.add_layer(block.attention_norm.weight.detach(), wqkv, wo, block.ffn_norm.weight.detach(), w13, w2)

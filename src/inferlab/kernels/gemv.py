@@ -50,6 +50,7 @@ def gemv(
     norm: RMSNorm | None,
     gated: bool,
     mins: Tensor | None = None,
+    int8_activations: bool = False,
 ) -> Tensor:
     """prepare(x) @ W.T * scales + bias, each part only when given, in one pass over the weight.
 
@@ -57,10 +58,12 @@ def gemv(
     x: (..., K) fp32 | bf16 -> (..., N) in x's dtype. W is `weight` (N, K) fp32 | bf16 | int8 with
     per-row `scales` (N,) for int8; or int4: `weight` uint8 (N, K / 2) nibble codes (quant/int4.py's
     pack_nibbles) with `scales`, `mins` (N, K / group_size), w = q * scale + min (the group size is
-    read off their shape).
+    read off their shape); int4 `weight` may also be the kernel's tiles (quant/int4.py's tile_rows), scales and
+    mins then views of theirs. `int8_activations`: int4 weights meet int8 activation codes per block of 32
+    columns instead of int16 ones per row (a speculative draft's: FusedDecode.build).
     """
     norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
-    return kernel_ops().gemv(x, weight, scales, bias, norm_weight, eps, mins, gated)
+    return kernel_ops().gemv(x, weight, scales, bias, norm_weight, eps, mins, gated, int8_activations)
 
 
 def prepared_input(x: Tensor, norm: RMSNorm | None, gated: bool) -> Tensor:

@@ -26,10 +26,10 @@ using inferlab::Projection;
 
 // A projection as Python hands it over: [weight, scales, mins, bias], absent parts as empty tensors (int4 tiles:
 // read where they are, the layer's own)
-Projection projection_from(const std::vector<at::Tensor>& parts) {
+Projection projection_from(const std::vector<at::Tensor>& parts, bool int8_activations) {
   TORCH_CHECK(parts.size() == 4, "DecodePlan: a projection is [weight, scales, mins, bias]");
   auto given = [](const at::Tensor& t) { return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt; };
-  return Projection(parts[0], given(parts[1]), given(parts[2]), given(parts[3]));
+  return Projection(parts[0], given(parts[1]), given(parts[2]), given(parts[3]), int8_activations);
 }
 
 struct Layer {
@@ -54,11 +54,13 @@ inline void add_to(float* h, const float* y, int64_t n) {
 
 class DecodePlan : public torch::CustomClassHolder {
  public:
-  // rope_cos, rope_sin: (max_seq_len, head_dim); norm: the final RMSNorm's weight; output: the LM head
+  // rope_cos, rope_sin: (max_seq_len, head_dim); norm: the final RMSNorm's weight; output: the LM head;
+  // int8_activations: every int4 projection takes int8 activation codes per block (Projection's; a draft's)
   DecodePlan(int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double norm_eps, at::Tensor rope_cos,
-             at::Tensor rope_sin, at::Tensor norm, std::vector<at::Tensor> output)
+             at::Tensor rope_sin, at::Tensor norm, std::vector<at::Tensor> output, bool int8_activations)
       : H_(n_heads), H_kv_(n_kv_heads), D_(head_dim), eps_(norm_eps), cos_(rope_cos, false), sin_(rope_sin, false),
-        rope_rows_(rope_cos.size(0)), norm_(norm, false), output_(projection_from(output)), dim_(norm.numel()) {
+        rope_rows_(rope_cos.size(0)), norm_(norm, false), output_(projection_from(output, int8_activations)),
+        dim_(norm.numel()), int8_activations_(int8_activations) {
     TORCH_CHECK(H_ % H_kv_ == 0 && D_ % 8 == 0 && D_ <= inferlab::kMaxHeadDim,
                 "DecodePlan: heads must group evenly and head_dim be a multiple of 8 up to 256");
     TORCH_CHECK(rope_cos.sizes() == rope_sin.sizes() && rope_cos.dim() == 2 && rope_cos.size(1) == D_,
@@ -68,8 +70,9 @@ class DecodePlan : public torch::CustomClassHolder {
 
   void add_layer(at::Tensor attention_norm, std::vector<at::Tensor> wqkv, std::vector<at::Tensor> wo,
                  at::Tensor ffn_norm, std::vector<at::Tensor> w13, std::vector<at::Tensor> w2) {
-    Layer layer{Floats(attention_norm, false), projection_from(wqkv), projection_from(wo),
-                Floats(ffn_norm, false), projection_from(w13), projection_from(w2)};
+    Layer layer{Floats(attention_norm, false), projection_from(wqkv, int8_activations_),
+                projection_from(wo, int8_activations_), Floats(ffn_norm, false), projection_from(w13, int8_activations_),
+                projection_from(w2, int8_activations_)};
     const int64_t qkv = (H_ + 2 * H_kv_) * D_;
     TORCH_CHECK(attention_norm.numel() == dim_ && ffn_norm.numel() == dim_ && layer.wqkv.K == dim_ &&
                 layer.wqkv.N == qkv && layer.wo.K == H_ * D_ && layer.wo.N == dim_ && layer.w13.K == dim_ &&
@@ -199,6 +202,7 @@ class DecodePlan : public torch::CustomClassHolder {
   Floats norm_;
   Projection output_;
   int64_t dim_;
+  bool int8_activations_;
   std::vector<Layer> layers_;
 };
 
@@ -206,7 +210,8 @@ class DecodePlan : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(INFERLAB_OPS, m) {
   m.class_<DecodePlan>("DecodePlan")
-      .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>,
+                      bool>())
       .def("add_layer", &DecodePlan::add_layer)
       .def("step", &DecodePlan::step);
 }

@@ -38,6 +38,7 @@ constexpr int64_t kGrain = 64;        // weight rows per thread at least
 constexpr int64_t kStep = 16;         // K must be a multiple of it; a format's step reads this many weights or twice as many
 constexpr int64_t kMaxK = 8192;
 constexpr float kInt16Max = 16383;    // activation codes for integer weights: 2 * 127 * 16383 * (K / 16) fits int32
+constexpr float kInt8Max = 127;       // int4 weights' int8 activation codes per block (Int4Format's int8_x)
 
 // Every weight stream is requested into L2 only, this far ahead: one core alone keeps too few loads in flight. A
 // stream of pre-tiled int4 weights (one per thread) decoded SmolLM2 1.3x as fast so as into L1 4 KiB ahead (0.9x
@@ -338,8 +339,14 @@ void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* 
 //    read whole, one after the other, L::N chunks a vector (their lanes summed per block at the end), the
 //    L::N rows' dots then transposed into lanes. Transposing L::N rows as they are read makes L::N streams,
 //    which the hardware prefetchers follow too late.
-// The int8 codes per 32 inputs that llama.cpp's Q8 blocks use would halve the multiply-adds, but cost
-// SmolLM2's int4 ten times its logit error against fp32 (teacher-forced min cosine 0.982 vs 0.9993).
+// With int8_x (a speculative draft's projections, whose errors cost only acceptance), the activations are int8
+// codes per block of 32 columns instead (x / max|x| of the block * 127, rounded; llama.cpp's Q8 blocks): the low
+// nibbles of a chunk's 4 bytes are its columns 0, 2, 4, 6 and (bytes >> 4)'s its columns 1, 3, 5, 7, each four
+// uint8 times four int8 codes in one multiply-add of quads (VNNI's vpdpbusd, AVX2's maddubs + madd): 2
+// instructions per chunk and row of activations on AVX-512, 3 to unpack it, and a block's float update
+// sum += float(q . codes) * scale * the block's code scale. SmolLM2's int4 at int8 codes has ten times the
+// logit error of its int16 codes against fp32 (teacher-forced min cosine 0.982 vs 0.9993), so the served int4
+// model keeps int16.
 struct Int4Format {
   using L = Wide;
   static constexpr int kChunk = kDecodeRows;  // activation rows per pass over a tiled block
@@ -352,23 +359,29 @@ struct Int4Format {
   int64_t N, K, group, G, chunks, blocks, vectors, stride;
   const float* scales;                        // (N, G)
   const float* mins;                          // (N, G)
+  bool int8_x;                                // int8 activation codes per block (x8), else int16 per row (x)
   std::vector<int32_t> x;                     // (M, vectors, 4, L::N): per vector of chunks, for s < 4, the
                                               // activation pairs (x[8c + s], x[8c + s + 4]) of its chunks c
-  std::vector<float> x_scale;                 // (M,)
-  std::vector<float> group_sums;              // (M, G): the sums of the codes
+  std::vector<int32_t> x8;                    // int8_x: (M, chunks, 2): per chunk, its columns 0, 2, 4, 6 as 4
+                                              // int8 codes, then its columns 1, 3, 5, 7
+  std::vector<float> block_scale;             // int8_x: (M, blocks): the value of a code step in each block
+  std::vector<float> x_scale;                 // (M,): 1 with int8_x
+  std::vector<float> group_sums;              // (M, G): the sums of the codes (int8_x: of x itself)
   std::vector<int64_t> block_group;           // (blocks,): the group of each block (no division in the loops)
   std::vector<uint8_t> group_start;           // (blocks,): whether the block is its group's first
 
   Int4Format(const uint8_t* packed, int64_t N_, int64_t K_, int64_t group_, const float* scales_, const float* mins_,
-             const float* xf, int64_t M)
+             const float* xf, int64_t M, bool int8_activations)
       : w(packed), N(N_), K(K_), group(group_), G(K_ / group_), chunks(K_ / 8), blocks(K_ / kBlock),
         vectors((chunks + L::N - 1) / L::N), stride(vectors * 4 * L::N), scales(scales_), mins(mins_),
-        x(M * stride), x_scale(M), group_sums(M * G), block_group(blocks), group_start(blocks) {
+        int8_x(int8_activations), x(int8_x ? 0 : M * stride), x8(int8_x ? M * chunks * 2 : 0),
+        block_scale(int8_x ? M * blocks : 0), x_scale(M), group_sums(M * G), block_group(blocks), group_start(blocks) {
     for (int64_t kb = 0; kb < blocks; ++kb) {
       block_group[kb] = kb * kBlock / group;
       group_start[kb] = kb * kBlock % group == 0;
     }
     for_each_row(M, [&](int64_t m) {
+      if (int8_x) return int8_block_codes(xf + m * K, m);
       std::vector<int16_t> codes(K);
       x_scale[m] = int16_codes(xf + m * K, K, codes.data());
       for (int64_t g = 0; g < G; ++g) {
@@ -381,6 +394,26 @@ struct Int4Format {
         }
       }
     });
+  }
+  // Activation row m (`row`, K values) as int8 codes per block, in the order the dots take them (x8)
+  void int8_block_codes(const float* row, int64_t m) {
+    x_scale[m] = 1.0f;
+    for (int64_t g = 0; g < G; ++g) group_sums[m * G + g] = std::accumulate(row + g * group, row + (g + 1) * group, 0.0f);
+    int8_t* codes = reinterpret_cast<int8_t*>(x8.data() + m * chunks * 2);
+    for (int64_t kb = 0; kb < blocks; ++kb) {
+      const float* block = row + kb * kBlock;
+      Wide::V amax = Wide::zero();
+      for (int j = 0; j < kBlock; j += kLanes) amax = Wide::max(amax, Wide::abs(Wide::load(block + j)));
+      const float top = Wide::max(amax), inverse = top > 0 ? kInt8Max / top : 0.0f;
+      block_scale[m * blocks + kb] = top / kInt8Max;
+      float rounded[kBlock];  // to nearest even
+      for (int j = 0; j < kBlock; j += kLanes) {
+        Wide::store(rounded + j, Wide::round(Wide::mul(Wide::load(block + j), Wide::set1(inverse))));
+      }
+      for (int i = 0; i < kBlock; ++i) {  // position i: chunk i / 8, its columns of parity i % 8 / 4
+        codes[kb * kBlock + i] = static_cast<int8_t>(rounded[8 * (i / 8) + 2 * (i % 4) + i % 8 / 4]);
+      }
+    }
   }
   int32_t* pairs(int64_t m, int64_t c) {  // chunk c's pair for s = 0; s's L::N * s on
     return x.data() + m * stride + c / L::N * 4 * L::N + c % L::N;
@@ -454,8 +487,8 @@ struct Int4Format {
     return {rows.scale(g), group_start[kb] ? rows.min(g) : L::zero(), g, group_start[kb] != 0};
   }
   // sum (a lane per row of the block) after block kb of activation row m: the one update every path makes
-  L::V scaled(L::V sum, L::I q, const BlockScales& b, int64_t m) const {
-    sum = L::fmadd(L::to_float(q), b.scale, sum);
+  L::V scaled(L::V sum, L::I q, const BlockScales& b, int64_t m, int64_t kb) const {
+    sum = L::fmadd(L::to_float(q), int8_x ? L::mul(b.scale, L::set1(block_scale[m * blocks + kb])) : b.scale, sum);
     return b.group_start ? L::fmadd(b.min, L::set1(group_sums[m * G + b.g]), sum) : sum;
   }
 
@@ -477,8 +510,8 @@ struct Int4Format {
   // registers.
   static constexpr int chains(int M) { return M == 1 ? 8 : M <= 4 ? 4 : 2; }
 
-  // sum[m] = the tiled block's rows . activation row m0 + m; from_memory as DenseFormat::dot's
-  template <int M>
+  // sum[m] = the tiled block's rows . activation row m0 + m; from_memory as DenseFormat::dot's; kInt8X: int8_x
+  template <int M, bool kInt8X>
   void dot(const Tile& rows, int64_t m0, L::V* sum, bool from_memory) const {
     constexpr int C = chains(M), kGroup = C / 2;  // sums per activation row; chunks whose sums are apart
     L::V acc[M];  // not sum itself: through the pointer, each update went to memory and back
@@ -491,7 +524,7 @@ struct Int4Format {
       if (prefetch) prefetch_l2(rows.group_line(block_group[kb]));
       // the block's chunks lie in one vector of chunks (kBlock / 8 divides L::N): their pairs at block_pairs + j, per
       // activation row a stride on (computed once a block, not per chunk: steps of 5 rows 1.07-1.14x as fast)
-      const int32_t* block_pairs = pairs(m0, kb * kBlock / 8);
+      const int32_t* block_pairs = kInt8X ? x8.data() + (m0 * chunks + kb * kBlock / 8) * 2 : pairs(m0, kb * kBlock / 8);
 #pragma GCC unroll 4  // whole: which sums a chunk updates is then known at compile time, and they stay in registers
       for (int j = 0; j < kBlock / 8; ++j) {  // the block's chunks
         const int64_t c = kb * kBlock / 8 + j;
@@ -501,9 +534,20 @@ struct Int4Format {
           prefetch_l2(rows.code_lanes + c * L::N);
           _mm_prefetch(reinterpret_cast<const char*>(rows.code_lanes + c * L::N) + kL1PrefetchBytes, _MM_HINT_T0);
         }
+        const int chunk_sums = j % kGroup * 2;
+        if constexpr (kInt8X) {
+          const L::I bytes = rows.codes(c), low = L::set1_int(0x0F0F0F0F);
+          const L::I even = L::and_int(bytes, low), odd = L::and_int(L::shift_right(bytes, 4), low);
+          for (int m = 0; m < M; ++m) {  // each quad of codes broadcast from memory into its instruction
+            const int32_t* quads = block_pairs + m * chunks * 2 + j * 2;
+            L::I* d = dots + m * C + chunk_sums;
+            d[0] = L::dot_uint8(d[0], even, L::set1_int(quads[0]));
+            d[1] = L::dot_uint8(d[1], odd, L::set1_int(quads[1]));
+          }
+          continue;
+        }
         L::I w[4];
         nibble_pairs(rows.codes(c), w);
-        const int chunk_sums = j % kGroup * 2;
         for (int m = 0; m < M; ++m) {  // each activation pair broadcast from memory into its instruction
           const int32_t* x_pairs = block_pairs + m * stride + j;
           for (int s = 0; s < 4; ++s) {
@@ -519,7 +563,7 @@ struct Int4Format {
           even = L::add(even, dots[m * C + j]);
           odd = L::add(odd, dots[m * C + j + 1]);
         }
-        acc[m] = scaled(acc[m], joined(even, odd), scales_of_block, m0 + m);
+        acc[m] = scaled(acc[m], kInt8X ? L::add(even, odd) : joined(even, odd), scales_of_block, m0 + m, kb);
       }
     }
     for (int m = 0; m < M; ++m) sum[m] = acc[m];
@@ -568,7 +612,7 @@ struct Int4Format {
         L::transpose(square);
         for (int64_t kb = b0; kb < std::min(blocks, b0 + L::N); ++kb) {
           const int64_t b = kb - b0;
-          sum[m] = scaled(sum[m], square[4 * (b % kVectorBlocks) + b / kVectorBlocks], block_scales(rows, kb), m0 + m);
+          sum[m] = scaled(sum[m], square[4 * (b % kVectorBlocks) + b / kVectorBlocks], block_scales(rows, kb), m0 + m, kb);
         }
       }
     }
@@ -584,8 +628,10 @@ struct Int4Format {
     L::V sum[MR];
     if constexpr (kStreamed) {
       streamed<MR>(rows, n, m0, q, sum);
+    } else if (int8_x) {
+      dot<MR, true>(rows, m0, sum, from_memory);
     } else {
-      dot<MR>(rows, m0, sum, from_memory);
+      dot<MR, false>(rows, m0, sum, from_memory);
     }
     for (int m = 0; m < MR; ++m) {
       float lanes[L::N];
@@ -597,12 +643,13 @@ struct Int4Format {
   }
 
   // y (M, N) = x @ W.T + bias, blocks of rows split across torch's threads; `tiled`: every block's tile, made
-  // before (else each thread makes them as it goes, or streams the rows, transposing only scales and mins)
+  // before (else each thread makes them as it goes, or, with int16 codes, streams the rows, transposing only
+  // scales and mins)
   template <typename Y>
   void operator()(int64_t M, const float* bias, Y* y, const int32_t* tiled = nullptr) const {
     const int64_t row_blocks = this->row_blocks();
     at::parallel_for(0, row_blocks, std::max<int64_t>(1, kGrain / L::N), [&](int64_t begin, int64_t end) {
-      if (!tiled && M <= kStreamRows) {
+      if (!tiled && M <= kStreamRows && !int8_x) {
         std::vector<int32_t> buffer(2 * G * L::N + kSlack), q(M * L::N * round_up(blocks, L::N));
         for (int64_t b = begin; b < end; ++b) rows_of<true>(M, lanes(b * L::N, buffer.data()), b * L::N, 0, bias, y, q.data());
         return;
@@ -659,19 +706,22 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 //   a line of L::N fp16 scales and L::N fp16 mins), with `scales` and `mins` the fp16 (N / L::N, G, L::N) views
 //   of its scales and mins (quant/int4.py's tile_rows): the decode step reads them as one stream, without
 //   transposing them on the way. Bias (N,). Scales, mins (of rows) and bias are read as fp32 (converted once,
-//   here, when they are bf16).
+//   here, when they are bf16). int8_activations: int4 weights meet int8 activation codes per block of 32 columns
+//   (Int4Format's int8_x: a speculative draft's), not int16 ones per row; the other formats ignore it.
 struct Projection {
   at::Tensor weight;
   Floats scales, mins, bias;
   int64_t N = 0, K = 0, group = 0;
   const int32_t* tiles = nullptr;  // int4 tiles: every block's Int4Format::tile
+  bool int8_activations = false;
 
   Projection(const at::Tensor& w, const std::optional<at::Tensor>& scales_, const std::optional<at::Tensor>& mins_,
-             const std::optional<at::Tensor>& bias_)
+             const std::optional<at::Tensor>& bias_, bool int8_activations_ = false)
       : weight(w),
         scales(is_tiles(w) ? Floats() : optional_floats(scales_)),
         mins(is_tiles(w) ? Floats() : optional_floats(mins_)),
-        bias(optional_floats(bias_)) {
+        bias(optional_floats(bias_)),
+        int8_activations(int8_activations_) {
     const bool int4_rows = w.scalar_type() == at::kByte;
     int64_t groups = 0;  // int4: per row
     TORCH_CHECK(w.dim() == (is_tiles(w) ? 3 : 2) && w.is_contiguous(),
@@ -738,7 +788,8 @@ struct Projection {
         }
         break;
       default:  // int4: rows (uint8) or tiles (int32)
-        Int4Format(tiles ? nullptr : weight.data_ptr<uint8_t>(), N, K, group, scales.data(), mins.data(), x, M)(
+        Int4Format(tiles ? nullptr : weight.data_ptr<uint8_t>(), N, K, group, scales.data(), mins.data(), x, M,
+                   int8_activations)(
             M, bias.data(), y, tiles);
     }
   }

@@ -79,8 +79,14 @@ struct Lanes<8> {
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
 #ifdef INFERLAB_AVX512
   static I dot_int16(I acc, I a, I b) { return _mm256_dpwssd_epi32(acc, a, b); }  // + pairs a.b (VNNI)
+  static I dot_uint8(I acc, I u, I s) { return _mm256_dpbusd_epi32(acc, u, s); }  // + quads u.s (VNNI)
 #else
   static I dot_int16(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }  // + pairs a.b
+  // + quads u.s, u uint8, s int8: pairs of products summed in int16 (maddubs saturates there: the caller's u . s
+  // pairs must fit, as int4 codes times int8 codes do, 2 * 15 * 127), then pairs of those in int32
+  static I dot_uint8(I acc, I u, I s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
 #endif
   static V to_float(I a) { return _mm256_cvtepi32_ps(a); }
   static float sum(I a) { return sum(to_float(a)); }
@@ -218,6 +224,7 @@ struct Lanes<16> {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
   }
   static I dot_int16(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }  // VNNI: + pairs a.b
+  static I dot_uint8(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }  // VNNI: + quads u.s (uint8, int8)
 };
 #else
 constexpr int kLanes = 8;
