@@ -109,6 +109,7 @@ def tiny_engine(
     quant: str | None = None,
     spec: dict | None = None,
     kv_dtype: torch.dtype | None = None,
+    dense_copy_mb: float = 0,
     **overrides,
 ) -> InferenceEngine:
     """`kernels` given: the model's layers are swapped for that choice (kernels/select.py) first, as
@@ -120,7 +121,7 @@ def tiny_engine(
     speculation = build_speculation(spec, "tiny", model, dtype, torch.device("cpu")) if spec else None
     if kernels:
         drafts = speculation.drafter.models() if speculation else []
-        select_kernels(nn.ModuleList([model, *drafts]), torch.device("cpu"), dtype, kernels)
+        select_kernels(nn.ModuleList([model, *drafts]), torch.device("cpu"), dtype, kernels, dense_copy_mb)
     loaded = LoadedModel(model, tokenizer, model.config, "tiny random-init")
     config = EngineConfig(
         device=torch.device("cpu"),

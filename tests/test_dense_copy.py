@@ -1,12 +1,14 @@
-"""int8 layers keep a dequantized copy for products of many rows: the same values as the reference. int4 layers
-keep none (their kernel runs every number of rows)."""
+"""int8 layers keep a dequantized copy for products of many rows: the same values as the reference. int4 layers keep
+one only where oneDNN's bf16 GEMM runs on AMX tiles (elsewhere their kernel runs every number of rows)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from conftest import tiny_model
+import torch.nn.functional as F
+from conftest import tiny_engine, tiny_model
 
-from inferlab.kernels.layer import DenseCopyLayer
+from inferlab.kernels.gemv import INT4_KERNEL_MAX_ROWS
 from inferlab.kernels.select import keep_dense_copies
 from inferlab.quant import quantize_model
 from inferlab.quant.int4 import Int4GroupLinear
@@ -28,13 +30,42 @@ def test_many_rows_through_the_dense_copy_equal_the_dequantize_reference():
         torch.testing.assert_close(layer(rows), want, rtol=0, atol=0)
 
 
-def test_int4_layers_keep_no_copy():
+def test_int4_layers_keep_no_copy_without_amx(monkeypatch):
+    monkeypatch.setattr("inferlab.quant.int4.amx_bf16_usable", lambda: False)
     model = tiny_model(0).to(torch.bfloat16)
     quantize_model(model, "int4", 32)
     int4 = [m for m in model.modules() if isinstance(m, Int4GroupLinear)]
-    assert int4 and not any(isinstance(m, DenseCopyLayer) for m in int4)
     keep_dense_copies(model, torch.bfloat16, budget_mb=64)  # the int8 LM head alone holds one
+    assert int4 and all(m.dense is None for m in int4)
     assert all(m.dense is not None for m in model.modules() if isinstance(m, Int8Linear))
+
+
+@pytest.mark.parametrize("rows", [INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1])
+def test_int4_copies_on_amx_serve_only_many_rows_in_bf16(monkeypatch, rows):
+    """With AMX (here pretended), a bf16 model's int4 layers keep bf16 copies: beyond INT4_KERNEL_MAX_ROWS rows
+    F.linear over the copy (the dequantized weights, to the bit), up to it the int4 kernel as before; an fp32 model
+    keeps none (oneDNN's fp32 GEMM does not beat the kernel)."""
+    monkeypatch.setattr("inferlab.quant.int4.amx_bf16_usable", lambda: True)
+    fp32 = tiny_model(0)
+    quantize_model(fp32, "int4", 32)
+    keep_dense_copies(fp32, torch.float32, budget_mb=64)
+    assert all(m.dense is None for m in fp32.modules() if isinstance(m, Int4GroupLinear))
+    model = tiny_model(0).to(torch.bfloat16)
+    quantize_model(model, "int4", 32)
+    layers = [m for m in model.modules() if isinstance(m, Int4GroupLinear)]
+    x = [torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m in layers]
+    before = [layer(rows_) for layer, rows_ in zip(layers, x)]  # the kernel, no copy yet
+    assert keep_dense_copies(model, torch.bfloat16, budget_mb=64) >= sum(
+        m.out_features * m.in_features * 2 for m in layers
+    )
+    for layer, rows_, kernel in zip(layers, x, before):
+        assert layer.dense is not None and "dense" not in layer.state_dict()
+        got = layer(rows_)
+        if rows > INT4_KERNEL_MAX_ROWS:
+            want = torch.nn.functional.linear(rows_, layer.dequantize().to(torch.bfloat16), layer.bias)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(got, kernel, rtol=0, atol=0)
 
 
 def test_no_copy_when_the_copies_do_not_fit_the_budget():
@@ -42,3 +73,23 @@ def test_no_copy_when_the_copies_do_not_fit_the_budget():
     quantize_model(model, "int8")
     assert keep_dense_copies(model, torch.bfloat16, budget_mb=1e-3) == 0
     assert all(m.dense is None for m in model.modules() if isinstance(m, Int8Linear))
+
+
+def test_an_int4_engine_with_copies_runs_long_prompts_through_them(monkeypatch, tiny_tokenizer):
+    """On an AMX CPU (pretended) a bf16 int4 engine's fused step covers up to INT4_KERNEL_MAX_ROWS rows and longer
+    prompts run the Python model over the bf16 copies: the prompt's logits stay those of the fused int4 step within
+    bf16 activations' rounding, and the decodes after it run fused."""
+    monkeypatch.setattr("inferlab.quant.int4.amx_bf16_usable", lambda: True)
+    kwargs = dict(kernels="fast", quant="int4", dtype=torch.bfloat16, dim=128, hidden_dim=256)
+    fused = tiny_engine(tiny_tokenizer, **kwargs)
+    copies = tiny_engine(tiny_tokenizer, **kwargs, dense_copy_mb=64)
+    assert fused.fused.max_rows > INT4_KERNEL_MAX_ROWS and copies.fused.max_rows == INT4_KERNEL_MAX_ROWS
+    prompt = list(range(40, 40 + INT4_KERNEL_MAX_ROWS + 36))
+    (want, want_seq), (got, got_seq) = fused.prefill(prompt), copies.prefill(prompt)
+    assert F.cosine_similarity(want.float(), got.float(), dim=-1).min() >= 0.999
+    assert int(want.argmax()) == int(got.argmax())
+    token = int(want.argmax())
+    want_step, got_step = fused.decode_step(token, want_seq), copies.decode_step(token, got_seq)
+    assert F.cosine_similarity(want_step.float(), got_step.float(), dim=-1).min() >= 0.999
+    want_seq.release()
+    got_seq.release()

@@ -11,7 +11,7 @@ from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.kernels.fused_decode import FUSED_MAX_ROWS, FusedDecode, many_rows_limit
-from inferlab.kernels.gemv import GEMV_MAX_ROWS
+from inferlab.kernels.gemv import GEMV_MAX_ROWS, INT4_KERNEL_MAX_ROWS
 from inferlab.kernels.select import keep_dense_copies
 
 pytestmark = pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here")
@@ -185,7 +185,7 @@ def test_the_engine_loop_decodes_a_batch_through_the_fused_step(isa, tiny_tokeni
     assert python_decodes == []
 
 
-def test_what_the_fused_step_does_not_cover_keeps_the_python_model(isa, tiny_tokenizer):
+def test_what_the_fused_step_does_not_cover_keeps_the_python_model(isa, tiny_tokenizer, monkeypatch):
     fused = tiny_engine(tiny_tokenizer, kernels="fast").fused
     assert fused.covers(FUSED_MAX_ROWS) and not fused.covers(FUSED_MAX_ROWS + 1)
     # quantized layers with dense copies: oneDNN's GEMM over them serves many rows faster
@@ -193,10 +193,14 @@ def test_what_the_fused_step_does_not_cover_keeps_the_python_model(isa, tiny_tok
     assert many_rows_limit(model) == FUSED_MAX_ROWS
     assert keep_dense_copies(model, torch.float32, 1024) > 0
     assert many_rows_limit(model) == GEMV_MAX_ROWS
-    # int4 layers keep no dense copies: the int4 kernel across rows runs every int4 step
-    model = tiny_engine(tiny_tokenizer, kernels="fast", quant="int4").model
-    keep_dense_copies(model, torch.float32, 1024)
+    # int4 layers keep no dense copies but on AMX CPUs: elsewhere the int4 kernel across rows runs every int4 step
+    monkeypatch.setattr("inferlab.quant.int4.amx_bf16_usable", lambda: False)
+    model = tiny_engine(tiny_tokenizer, kernels="fast", quant="int4", dtype=torch.bfloat16).model
+    keep_dense_copies(model, torch.bfloat16, 1024)
     assert many_rows_limit(model) == FUSED_MAX_ROWS
+    monkeypatch.setattr("inferlab.quant.int4.amx_bf16_usable", lambda: True)
+    keep_dense_copies(model, torch.bfloat16, 1024)
+    assert many_rows_limit(model) == INT4_KERNEL_MAX_ROWS
     assert tiny_engine(tiny_tokenizer, kernels="portable").fused is None
     assert tiny_engine(tiny_tokenizer, "none", kernels="fast").fused is None  # the recompute baseline stays pure
     assert tiny_engine(tiny_tokenizer).fused is None  # plain nn.Linear layers: no kernel chosen

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from inferlab.kernels.attention import DECODE_ATTENTION_MAX_HEAD_DIM
 from inferlab.kernels.build import active_isa, fast_kernels_apply, kernel_classes
-from inferlab.kernels.gemv import GEMV_K_STEP, GEMV_MAX_K, GEMV_MAX_ROWS
+from inferlab.kernels.gemv import GEMV_K_STEP, GEMV_MAX_K
 from inferlab.kernels.layer import DenseCopyLayer, KernelLayer
 from inferlab.model.transformer import Transformer, rope_tables
 
@@ -37,18 +37,19 @@ def projection_parts(linear: nn.Module) -> list[Tensor] | None:
 
 
 def many_rows_limit(model: Transformer) -> int:
-    """FUSED_MAX_ROWS, or GEMV_MAX_ROWS where the layers' int8 projections hold dense copies for many rows
-    (oneDNN's bf16 GEMM over them is faster; the LM head runs on a step's logit rows only, a few). int4 layers
-    hold none and every int4 step runs fused. Measured on SmolLM2 (AVX-512, one thread), int4 fused against the
+    """FUSED_MAX_ROWS, or the fewest rows up to which a layer holding a dense copy for many rows still takes the
+    kernel (layer.DenseCopyLayer's kernel_max_rows: int8 GEMV_MAX_ROWS, int4 INT4_KERNEL_MAX_ROWS; oneDNN's bf16
+    GEMM over the copies is faster beyond; the LM head runs on a step's logit rows only, a few). int4 layers hold
+    copies only on AMX CPUs; elsewhere every int4 step runs fused. Measured on SmolLM2 (AVX-512, one thread), int4 fused against the
     Python model over dense bf16 copies: 16 rows 25-34 vs 56-64 ms, 32 rows 56-84 vs 92 ms, 64 rows 98-134 vs
     117-128 ms; batch-1 prompts of 128 tokens 450-570 vs 500-510 tok/s, of 512 420-430 vs 480-530 (oneDNN's
     GEMM multiplies ~1.3x faster per row than the int16-code kernel; the copies cost 256 MiB). bf16 weights
     stay on the fused step though oneDNN is faster there too (361 vs 584, 307 vs 545): its fp32 activations keep
     mixed steps within the real-model tolerance, the bf16 Python model does not; fp32 354 vs 330, 318 vs 321."""
-    for linear in model.layers.modules():
-        if isinstance(linear, DenseCopyLayer) and linear.dense is not None:
-            return GEMV_MAX_ROWS
-    return FUSED_MAX_ROWS
+    limits = [
+        m.kernel_max_rows for m in model.layers.modules() if isinstance(m, DenseCopyLayer) and m.dense is not None
+    ]
+    return min(limits, default=FUSED_MAX_ROWS)
 
 
 class FusedDecode:

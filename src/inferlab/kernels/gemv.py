@@ -4,8 +4,9 @@ read from memory once per call, with the RMSNorm or SwiGLU before the product fu
 The kernel takes any number of rows. On dense fp32/bf16 weights `F.linear` (oneDNN) wins beyond
 GEMV_MAX_ROWS rows (measured on the whole model's layers, AVX-512, one thread: bf16 at 16 rows 228 vs 260
 tok/s, at 256 rows 291 vs 541), so the Python model's plain layers keep it there; quantized layers take
-the kernel at any number of rows, int8 unless it holds a dense copy (int8 at 256 rows: 400 tok/s against
-`_weight_int8pack_mm`'s 205), int4 always (its many-row kernel outruns oneDNN's bf16 GEMM over a copy at decode batches: fused_decode.py).
+the kernel at any number of rows unless they hold a dense copy: int8 beyond GEMV_MAX_ROWS (int8 at 256 rows: 400
+tok/s against `_weight_int8pack_mm`'s 205), int4 beyond INT4_KERNEL_MAX_ROWS and only on AMX CPUs (elsewhere its
+many-row kernel outruns oneDNN's bf16 GEMM over a copy: fused_decode.py).
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferlab.kernels.build import cpu_gemv_available, kernel_ops
-from inferlab.kernels.layer import KernelWeights
+from inferlab.kernels.layer import DenseCopyLayer, KernelWeights
 from inferlab.model.transformer import RMSNorm, swiglu
 
 GEMV_MAX_ROWS = 8  # rows up to which the kernel runs a dense layer (csrc/gemv.h: kDecodeRows)
+# rows up to which the int4 kernel runs a layer that holds a bf16 copy (AMX CPUs only: layer.DenseCopyLayer). SmolLM2's
+# int4 prompt on an AMX Xeon, fused kernel vs the Python model over bf16 copies (oneDNN on AMX tiles), tok/s: 16
+# tokens 1,213 vs 497, 32 1,318 vs 883, 64 1,404 vs 1,463, 128 1,390 vs 2,187, 512 1,101 vs 3,333
+INT4_KERNEL_MAX_ROWS = 64
 GEMV_K_STEP, GEMV_MAX_K = 16, 8192  # kStep and the K limit in csrc/gemv.h
 FLOAT_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -36,10 +41,10 @@ def gemv_fits(x: Tensor, width: int, max_rows: int | None = GEMV_MAX_ROWS) -> bo
     )
 
 
-def quantized_max_rows(dense_copy: Tensor | None) -> int | None:
-    """Rows an int8 layer runs on the kernel: any number, or GEMV_MAX_ROWS when it holds a dense copy for more
-    (kernels/layer.py's DenseCopyLayer), which then goes to `F.linear`."""
-    return None if dense_copy is None else GEMV_MAX_ROWS
+def quantized_max_rows(layer: DenseCopyLayer) -> int | None:
+    """Rows a quantized layer runs on the kernel: any number, or its kernel_max_rows when it holds a dense copy for
+    more (kernels/layer.py's DenseCopyLayer), which then goes to `F.linear`."""
+    return None if layer.dense is None else layer.kernel_max_rows
 
 
 def gemv(

@@ -75,6 +75,22 @@ def supported_isas() -> list[str]:
     return [name for name, isa in ISAS.items() if flags.issuperset(isa.cpu_flags)]
 
 
+ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158  # Linux x86_64
+
+
+@cache
+def amx_bf16_usable() -> bool:
+    """The CPU has AMX's bf16 tiles and Linux lets this process use them (arch_prctl ARCH_REQ_XCOMP_PERM, asked
+    once for all its threads: a CPU may list amx_tile while its kernel or hypervisor keeps the tiles off). Then
+    oneDNN's bf16 GEMM runs on them, as torch's F.linear does for bf16 tensors."""
+    import ctypes
+    import platform
+
+    if not {"amx_tile", "amx_bf16"} <= cpu_flags() or platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    return ctypes.CDLL(None, use_errno=True).syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+
+
 def resolve_isa(requested: str) -> Isa | None:
     """`device.isa` -> the build to load: auto = the widest this CPU runs (None: not even AVX2, so no
     kernels); a named one the CPU lacks is an error, said in one line."""

@@ -69,19 +69,25 @@ class KernelLayer(Protocol):
 
 @runtime_checkable
 class DenseCopyLayer(Protocol):
-    """A quantized layer (int8) that can also hold its weights dequantized, for products of many rows.
+    """A quantized layer (int8, int4) that can also hold its weights dequantized, for products of many rows.
 
     The gemv kernel takes any number of rows, but a prompt chunk or a large decode batch is a GEMM, and
     there a dense bf16/fp32 GEMM (oneDNN) over a dequantized copy of int8 weights is faster than the int8
     kernel and >10x faster than dequantizing at every call (the issue's and kernels/aten.py's measurements):
-    the copy trades memory for that speed, within `device.dense_copy_mb`. int4 keeps none: its kernel's
-    GEMM (csrc/gemv.h) outruns oneDNN's bf16 one up to 32 rows and ties at 64; prompts of 512 tokens lose ~15%
-    (kernels/fused_decode.py: many_rows_limit).
+    the copy trades memory for that speed, within `device.dense_copy_mb`. int4 keeps one only where oneDNN's
+    bf16 GEMM runs on AMX tiles (kernels/isa.py: amx_bf16_usable), and only for steps of more than
+    INT4_KERNEL_MAX_ROWS rows (kernels/gemv.py): elsewhere its kernel's GEMM (csrc/gemv.h) outruns oneDNN's bf16
+    one up to 32 rows and ties at 64, and prompts of 512 tokens lose ~15% (kernels/fused_decode.py: many_rows_limit).
     """
 
     in_features: int
     out_features: int
     dense: Tensor | None  # the copy, once kept
+    kernel_max_rows: int  # with a copy, products of up to this many rows still take the kernel
+
+    def dense_copy_pays(self, dtype: torch.dtype) -> bool:
+        """A copy in `dtype` would serve many rows faster than the kernel, on this machine."""
+        ...
 
     def keep_dense_copy(self, dtype: torch.dtype) -> int:
         """Hold the dequantized weights in `dtype` from now on; return their bytes (0: this layer cannot)."""

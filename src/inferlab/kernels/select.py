@@ -32,8 +32,8 @@ def select_kernels(
 
     Layers already on the kernels (KernelLayer: the quantized ones of quant/) pick their kernels per call
     and are left alone, except that `kernels=portable` sends them down their reference path too. With
-    `kernels=fast`, int8 layers also keep a dequantized copy for products of many rows when all the
-    copies fit in `dense_copy_mb` (layer.DenseCopyLayer). On CPU the weights then move onto huge pages
+    `kernels=fast`, int8 layers (and int4 ones on AMX CPUs) also keep a dequantized copy for products of many
+    rows when all the copies fit in `dense_copy_mb` (layer.DenseCopyLayer). On CPU the weights then move onto huge pages
     (huge_pages.py).
     """
     fast = fast_kernels_apply(device, dtype, kernels)
@@ -54,9 +54,9 @@ def select_kernels(
 
 
 def keep_dense_copies(model: nn.Module, dtype: torch.dtype, budget_mb: float) -> int:
-    """Dequantized copies of every int8 layer (layer.DenseCopyLayer), when they all fit in `budget_mb`; return their
-    bytes."""
-    layers = {id(m): m for m in model.modules() if isinstance(m, DenseCopyLayer)}.values()
+    """Dequantized copies of every quantized layer whose copy pays here (layer.DenseCopyLayer), when they all fit in
+    `budget_mb`; return their bytes."""
+    layers = {id(m): m for m in model.modules() if isinstance(m, DenseCopyLayer) and m.dense_copy_pays(dtype)}.values()
     need = sum(m.out_features * m.in_features for m in layers) * torch.empty(0, dtype=dtype).element_size()
     if not layers or need > budget_mb * 2**20:
         if layers:

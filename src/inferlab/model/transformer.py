@@ -296,5 +296,7 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         elif rows is not None:
             x = x[:, rows]
+            if not rows.numel():  # a prompt chunk before the last: no logits wanted, no LM head run
+                return x.new_empty(*x.shape[:2], self.config.vocab_size)
         logits = linear_after_norm(self.output, self.norm, x)
         return softcap(logits, self.config.final_softcap) if self.config.final_softcap else logits

@@ -12,7 +12,8 @@ from torch import Tensor, nn
 from inferlab.errors import QuantizationError
 from inferlab.kernels.aten import int4_layout, int4_mm, int4_tiles_fit, int4pack_scales_and_zeros, to_int4pack
 from inferlab.kernels.build import int4_tile_rows
-from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input
+from inferlab.kernels.gemv import INT4_KERNEL_MAX_ROWS, gemv, gemv_fits, prepared_input, quantized_max_rows
+from inferlab.kernels.isa import amx_bf16_usable
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
 
@@ -135,6 +136,7 @@ class Int4GroupLinear(nn.Module):
             self.register_buffer("weight", to_int4pack(q, self.layout))
             self.register_buffer("scales_and_zeros", int4pack_scales_and_zeros(scales, mins))  # (G, N, 2)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.register_buffer("dense", None, persistent=False)  # dequantized, for many rows (keep_dense_copy)
 
     def _store_nibbles(self, packed: Tensor, scales: Tensor, mins: Tensor) -> None:
         """Hold nibble rows (N, K/2) and their scales and mins (N, G) in self.layout: as they are ("rows"), or as
@@ -176,15 +178,26 @@ class Int4GroupLinear(nn.Module):
         return KernelWeights("int4", self.weight, self.scales, self.mins, self.bias, self.group_size)
 
     fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_glu
+    kernel_max_rows = INT4_KERNEL_MAX_ROWS  # kernels/layer.py's DenseCopyLayer
+
+    def dense_copy_pays(self, dtype: torch.dtype) -> bool:
+        """Only a bf16 copy on an AMX CPU: there oneDNN's GEMM beats the int4 kernel's from ~64 rows (prompts of 512
+        tokens 3x as fast); elsewhere the kernel wins at every number of rows, and the copy costs 4x the weights."""
+        return self.layout in NIBBLE_LAYOUTS and dtype == torch.bfloat16 and amx_bf16_usable()
+
+    def keep_dense_copy(self, dtype: torch.dtype) -> int:
+        self.dense = self.dequantize().to(dtype)
+        return self.dense.nbytes
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
-        # any number of rows, no dense copy: at 16-32 rows the kernel's int4 GEMM outruns oneDNN's bf16 one over a
-        # dequantized copy (kernels/fused_decode.py: many_rows_limit), and the copy would cost 2x the weights again
         if self.layout in NIBBLE_LAYOUTS:
-            weights = self.kernel_weights() if gemv_fits(x, self.in_features * (1 + gated), None) else None
+            fits = gemv_fits(x, self.in_features * (1 + gated), quantized_max_rows(self))
+            weights = self.kernel_weights() if fits else None
             if weights is not None:
                 return gemv(x, weights.weight, weights.scales, self.bias, norm, gated, weights.mins)
-            return F.linear(prepared_input(x, norm, gated), self.dequantize().to(x.dtype), self.bias)
+            copy = self.dense is not None and self.use_kernel and self.dense.dtype == x.dtype  # a prompt, a large batch
+            weight = self.dense if copy else self.dequantize()
+            return F.linear(prepared_input(x, norm, gated), weight.to(x.dtype), self.bias)
         x = prepared_input(x, norm, gated)
         if x.device.type != self.layout:
             raise QuantizationError(

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferlab.kernels.aten import int8_kernel_fits, int8_mm
-from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input, quantized_max_rows
+from inferlab.kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_fits, prepared_input, quantized_max_rows
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
 
@@ -52,6 +52,10 @@ class Int8Linear(nn.Module):
         return KernelWeights("int8", self.weight, self.scales, bias=self.bias) if self.use_kernel else None
 
     fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_glu
+    kernel_max_rows = GEMV_MAX_ROWS  # kernels/layer.py's DenseCopyLayer
+
+    def dense_copy_pays(self, dtype: torch.dtype) -> bool:
+        return True
 
     def keep_dense_copy(self, dtype: torch.dtype) -> int:
         """kernels/layer.py's DenseCopyLayer: the same values the reference path computes at each call."""
@@ -60,7 +64,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
         if self.use_kernel and gemv_fits(
-            x, self.in_features * (1 + gated), quantized_max_rows(self.dense)
+            x, self.in_features * (1 + gated), quantized_max_rows(self)
         ):  # decode, or any rows without a dense copy
             return gemv(x, self.weight, self.scales, self.bias, norm, gated)
         x = prepared_input(x, norm, gated)
