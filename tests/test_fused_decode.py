@@ -11,7 +11,7 @@ from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.kernels.fused_decode import FUSED_MAX_ROWS, FusedDecode, many_rows_limit
-from inferlab.kernels.gemv import GEMV_MAX_ROWS, INT4_KERNEL_MAX_ROWS
+from inferlab.kernels.gemv import BF16_KERNEL_MAX_ROWS, GEMV_MAX_ROWS, INT4_KERNEL_MAX_ROWS
 from inferlab.kernels.select import keep_dense_copies
 
 pytestmark = pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here")
@@ -201,6 +201,11 @@ def test_what_the_fused_step_does_not_cover_keeps_the_python_model(isa, tiny_tok
     monkeypatch.setattr("inferlab.quant.int4.amx_bf16_usable", lambda: True)
     keep_dense_copies(model, torch.bfloat16, 1024)
     assert many_rows_limit(model) == INT4_KERNEL_MAX_ROWS
+    # bf16 layers: on AMX CPUs steps beyond BF16_KERNEL_MAX_ROWS rows go to the Python model's F.linear (oneDNN)
+    model = tiny_engine(tiny_tokenizer, kernels="fast", dtype=torch.bfloat16).model
+    for amx, limit in ((False, FUSED_MAX_ROWS), (True, BF16_KERNEL_MAX_ROWS)):
+        monkeypatch.setattr("inferlab.kernels.fused_decode.amx_bf16_usable", lambda amx=amx: amx)
+        assert many_rows_limit(model) == limit
     assert tiny_engine(tiny_tokenizer, kernels="portable").fused is None
     assert tiny_engine(tiny_tokenizer, "none", kernels="fast").fused is None  # the recompute baseline stays pure
     assert tiny_engine(tiny_tokenizer).fused is None  # plain nn.Linear layers: no kernel chosen

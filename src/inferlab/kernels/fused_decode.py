@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from inferlab.kernels.attention import DECODE_ATTENTION_MAX_HEAD_DIM
 from inferlab.kernels.build import active_isa, fast_kernels_apply, kernel_classes
-from inferlab.kernels.gemv import GEMV_K_STEP, GEMV_MAX_K
+from inferlab.kernels.gemv import BF16_KERNEL_MAX_ROWS, GEMV_K_STEP, GEMV_MAX_K, GemvLinear
+from inferlab.kernels.isa import amx_bf16_usable
 from inferlab.kernels.layer import DenseCopyLayer, KernelLayer
 from inferlab.model.transformer import Transformer, rope_tables
 
@@ -39,16 +40,21 @@ def projection_parts(linear: nn.Module) -> list[Tensor] | None:
 def many_rows_limit(model: Transformer) -> int:
     """FUSED_MAX_ROWS, or the fewest rows up to which a layer holding a dense copy for many rows still takes the
     kernel (layer.DenseCopyLayer's kernel_max_rows: int8 GEMV_MAX_ROWS, int4 INT4_KERNEL_MAX_ROWS; oneDNN's bf16
-    GEMM over the copies is faster beyond; the LM head runs on a step's logit rows only, a few). int4 layers hold
-    copies only on AMX CPUs; elsewhere every int4 step runs fused. Measured on SmolLM2 (AVX-512, one thread), int4 fused against the
-    Python model over dense bf16 copies: 16 rows 25-34 vs 56-64 ms, 32 rows 56-84 vs 92 ms, 64 rows 98-134 vs
+    GEMM over the copies is faster beyond; the LM head runs on a step's logit rows only, a few), and for bf16 layers
+    on AMX CPUs BF16_KERNEL_MAX_ROWS (the Python model's F.linear runs oneDNN's GEMM on the tiles). int4 layers hold
+    copies only on AMX CPUs; elsewhere every int4 step runs fused. Measured on SmolLM2 (AVX-512 without AMX, one
+    thread), int4 fused against the Python model over dense bf16 copies: 16 rows 25-34 vs 56-64 ms, 32 rows 56-84 vs 92 ms, 64 rows 98-134 vs
     117-128 ms; batch-1 prompts of 128 tokens 450-570 vs 500-510 tok/s, of 512 420-430 vs 480-530 (oneDNN's
-    GEMM multiplies ~1.3x faster per row than the int16-code kernel; the copies cost 256 MiB). bf16 weights
-    stay on the fused step though oneDNN is faster there too (361 vs 584, 307 vs 545): its fp32 activations keep
-    mixed steps within the real-model tolerance, the bf16 Python model does not; fp32 354 vs 330, 318 vs 321."""
+    GEMM multiplies ~1.3x faster per row than the int16-code kernel; the copies cost 256 MiB). Without AMX bf16
+    weights stay on the fused step though oneDNN is faster there too (361 vs 584, 307 vs 545): its fp32 activations
+    kept mixed steps within the real-model tolerance then, the bf16 Python model did not (on the AMX Xeon the
+    real-model mixed-step test passes with the Python model beyond 32 rows); fp32 354 vs 330, 318 vs 321."""
     limits = [
         m.kernel_max_rows for m in model.layers.modules() if isinstance(m, DenseCopyLayer) and m.dense is not None
     ]
+    bf16 = any(isinstance(m, GemvLinear) and m.weight.dtype == torch.bfloat16 for m in model.layers.modules())
+    if bf16 and amx_bf16_usable():  # oneDNN's bf16 GEMM on AMX tiles outruns the kernel beyond BF16_KERNEL_MAX_ROWS
+        limits.append(BF16_KERNEL_MAX_ROWS)
     return min(limits, default=FUSED_MAX_ROWS)
 
 

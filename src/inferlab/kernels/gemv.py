@@ -24,6 +24,10 @@ GEMV_MAX_ROWS = 8  # rows up to which the kernel runs a dense layer (csrc/gemv.h
 # int4 prompt on an AMX Xeon, fused kernel vs the Python model over bf16 copies (oneDNN on AMX tiles), tok/s: 16
 # tokens 1,213 vs 497, 32 1,318 vs 883, 64 1,404 vs 1,463, 128 1,390 vs 2,187, 512 1,101 vs 3,333
 INT4_KERNEL_MAX_ROWS = 64
+# rows up to which a bf16 model's step stays on the fused kernel on AMX CPUs (larger ones: the Python model, whose
+# F.linear runs oneDNN's GEMM on the tiles). SmolLM2 bf16 prompt on an AMX Xeon, fused vs Python, tok/s: 16 tokens
+# 618 vs 474, 32 702 vs 877, 64 781 vs 1,372, 128 840 vs 2,174, 512 787 vs 3,429
+BF16_KERNEL_MAX_ROWS = 32
 GEMV_K_STEP, GEMV_MAX_K = 16, 8192  # kStep and the K limit in csrc/gemv.h
 FLOAT_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
