@@ -486,9 +486,12 @@ struct Int4Format {
     const int64_t g = block_group[kb];
     return {rows.scale(g), group_start[kb] ? rows.min(g) : L::zero(), g, group_start[kb] != 0};
   }
-  // sum (a lane per row of the block) after block kb of activation row m: the one update every path makes
+  // sum (a lane per row of the block) after block kb of activation row m: the one update every path makes;
+  // kInt8X: int8_x (chosen at compile time, so the served int16 path carries no test of it per block)
+  template <bool kInt8X = false>
   L::V scaled(L::V sum, L::I q, const BlockScales& b, int64_t m, int64_t kb) const {
-    sum = L::fmadd(L::to_float(q), int8_x ? L::mul(b.scale, L::set1(block_scale[m * blocks + kb])) : b.scale, sum);
+    const L::V scale = kInt8X ? L::mul(b.scale, L::set1(block_scale[m * blocks + kb])) : b.scale;
+    sum = L::fmadd(L::to_float(q), scale, sum);
     return b.group_start ? L::fmadd(b.min, L::set1(group_sums[m * G + b.g]), sum) : sum;
   }
 
@@ -563,7 +566,7 @@ struct Int4Format {
           even = L::add(even, dots[m * C + j]);
           odd = L::add(odd, dots[m * C + j + 1]);
         }
-        acc[m] = scaled(acc[m], kInt8X ? L::add(even, odd) : joined(even, odd), scales_of_block, m0 + m, kb);
+        acc[m] = scaled<kInt8X>(acc[m], kInt8X ? L::add(even, odd) : joined(even, odd), scales_of_block, m0 + m, kb);
       }
     }
     for (int m = 0; m < M; ++m) sum[m] = acc[m];
