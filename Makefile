@@ -62,10 +62,14 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-# The CPU-sized studies (sweeps/*.yaml), then the report from every result under outputs/ (< 30 min on 2 cores).
+# The CPU-sized studies (sweeps/*.yaml), then the report from every result under outputs/ (< 30 min on 2 cores),
+# after the distilled draft whose spec=draft rows the spec_decode study measures (`make draft`, ~11 min, once per
+# machine: it goes to the cache dir, where spec=draft finds it).
 REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving serving_spec
 VLLM_PYTHON ?=
 report: setup
+	@draft=$$($(PY) -c 'from inferlab.paths import default_draft_dir; print(default_draft_dir("smollm2-135m"))'); \
+	[ -f "$$draft/config.json" ] || $(MAKE) draft
 	@set -- $(REPORT_SWEEPS); total=$$#; i=0; start=$$(date +%s); \
 	for sweep in $(REPORT_SWEEPS); do \
 		i=$$((i + 1)); elapsed=$$(($$(date +%s) - start)); \
