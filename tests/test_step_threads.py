@@ -7,9 +7,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import tiny_engine
+from conftest import tiny_engine, tiny_model
 
+from inferlab.engine.drafters import ModelDrafter
 from inferlab.engine.engine import InferenceEngine
+from inferlab.engine.speculative import Speculation
 from inferlab.engine.threads import StepThreads, omp_set_num_threads, on_own_thread
 from inferlab.errors import EngineFailedError
 
@@ -89,6 +91,9 @@ def test_a_closed_or_dropped_engine_leaves_no_loop_thread_or_openmp_team_behind(
     that one's steps wait on a futex. close() ends it (later requests are refused), and so does dropping the engine."""
     big = torch.ones(1 << 22)
     float(big.add(1).sum())  # this thread's own team, before counting
+    warm = tiny_engine(tiny_tokenizer, "paged")  # pools a process starts once and keeps (the first engine's), too
+    warm.generate(list(range(5, 25)), max_new_tokens=4)
+    warm.close()
     before = os_threads()
 
     def loop_thread_gone() -> bool:
@@ -105,3 +110,22 @@ def test_a_closed_or_dropped_engine_leaves_no_loop_thread_or_openmp_team_behind(
     assert dropped.generate(list(range(5, 25)), max_new_tokens=4).token_ids == want
     del dropped
     assert loop_thread_gone()
+
+
+def test_a_draft_pool_is_allocated_off_the_callers_thread(tiny_tokenizer, monkeypatch):
+    """Setting a drafter builds the loop's draft pool (a draft model's KV, zero-filled by OpenMP) on a thread that
+    ends: on the caller's thread it left a team beside the loop's, and every later step ran at half speed."""
+    import inferlab.engine.engine as engine_module
+
+    built_on = []
+
+    def recording(*args, **kwargs):
+        built_on.append(threading.get_ident())
+        return loop_drafts(*args, **kwargs)
+
+    loop_drafts = engine_module.loop_drafts
+    monkeypatch.setattr(engine_module, "loop_drafts", recording)
+    engine = tiny_engine(tiny_tokenizer, "paged")
+    engine.speculation = Speculation(ModelDrafter(tiny_model(0, n_layers=1)), 3)
+    assert built_on and threading.get_ident() not in built_on
+    assert engine.generate(list(range(5, 25)), max_new_tokens=4).token_ids  # the pool serves the loop

@@ -37,7 +37,7 @@ from inferlab.engine.single import CachedSequence, PagedSequence, RecomputeSeque
 from inferlab.engine.spec_batch import LoopSpeculation
 from inferlab.engine.speculative import Speculation, stream_events
 from inferlab.engine.stop import TextStream
-from inferlab.engine.threads import StepThreads
+from inferlab.engine.threads import StepThreads, on_own_thread
 from inferlab.errors import CapacityError, InvalidRequestError
 from inferlab.kernels.attention import decode_attention_applies
 from inferlab.kernels.fused_decode import FusedDecode
@@ -139,11 +139,15 @@ class InferenceEngine:
 
     @speculation.setter
     def speculation(self, speculation: Speculation | None) -> None:
-        """The drafter for every way in; the engine loop's sequences draft in a pool of their own."""
+        """The drafter for every way in; the engine loop's sequences draft in a pool of their own, allocated on a thread
+        that ends (on_own_thread): a draft model's KV pool zero-filled on the caller's thread left it an OpenMP team
+        beside the loop's, and every later step ran at half speed (SmolLM2 bf16, spec off after one spec=draft
+        request, 2 cores: 60 tok/s, not 128)."""
         self._speculation = speculation
         if self.loop is not None:
+            loop_speculation = on_own_thread(lambda: self._loop_speculation(speculation)) if speculation else None
             with self._lock:
-                self.loop.set_speculation(self._loop_speculation(speculation) if speculation else None)
+                self.loop.set_speculation(loop_speculation)
 
     def _loop_speculation(self, speculation: Speculation) -> LoopSpeculation:
         drafts = loop_drafts(speculation.drafter, self.paged, self.config.device)
