@@ -61,13 +61,23 @@ def os_threads() -> set[str]:
     return set(os.listdir("/proc/self/task"))
 
 
-def none_left_since(before: set[str], timeout: float = 5.0) -> bool:
-    """Whether every OS thread started after `before` was taken has ended (waiting up to `timeout` s). Threads of
-    other tests that end meanwhile do not count: a worker of the test run holds threads of its earlier tests."""
+def left_since(before: set[str], timeout: float = 15.0) -> list[str]:
+    """The OS threads started after `before` was taken that are still alive after waiting up to `timeout` s, as
+    "tid name state" (the Python name where Python knows the thread, else "native"), so that a failure says which.
+    Threads of other tests that end meanwhile do not count: a worker of the test run holds threads of its earlier
+    tests."""
     deadline = time.monotonic() + timeout
     while os_threads() - before and time.monotonic() < deadline:
         time.sleep(0.01)
-    return not os_threads() - before
+    names = {str(t.native_id): t.name for t in threading.enumerate()}
+
+    def state(tid: str) -> str:
+        try:
+            return open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return "gone"
+
+    return [f"{tid} {names.get(tid, 'native')} {state(tid)}" for tid in sorted(os_threads() - before)]
 
 
 @needs_two
@@ -79,7 +89,7 @@ def test_work_on_its_own_thread_leaves_no_openmp_team_behind():
     before = os_threads()
     total = on_own_thread(lambda: float(big.add(1).sum()))
     assert total == 2 * big.numel()
-    assert none_left_since(before)  # the team's threads end as their owner does, not before it returns
+    assert left_since(before) == []  # the team's threads end as their owner does, not before it returns
     with pytest.raises(ValueError, match="bad model"):
         on_own_thread(lambda: (_ for _ in ()).throw(ValueError("bad model")))
 
@@ -96,20 +106,20 @@ def test_a_closed_or_dropped_engine_leaves_no_loop_thread_or_openmp_team_behind(
     warm.close()
     before = os_threads()
 
-    def loop_thread_gone() -> bool:
-        return none_left_since(before) and "inferlab-engine" not in {t.name for t in threading.enumerate()}
+    def threads_left() -> list[str]:
+        return left_since(before) + [t.name for t in threading.enumerate() if t.name == "inferlab-engine"]
 
     engine = tiny_engine(tiny_tokenizer, "paged")
     want = engine.generate(list(range(5, 25)), max_new_tokens=4).token_ids
     assert "inferlab-engine" in {t.name for t in threading.enumerate()}
     engine.close()
-    assert loop_thread_gone()
+    assert threads_left() == []
     with pytest.raises(EngineFailedError, match="closed"):
         engine.generate(list(range(5, 25)), max_new_tokens=4)
     dropped = tiny_engine(tiny_tokenizer, "paged")
     assert dropped.generate(list(range(5, 25)), max_new_tokens=4).token_ids == want
     del dropped
-    assert loop_thread_gone()
+    assert threads_left() == []
 
 
 def test_a_draft_pool_is_allocated_off_the_callers_thread(tiny_tokenizer, monkeypatch):
@@ -129,3 +139,4 @@ def test_a_draft_pool_is_allocated_off_the_callers_thread(tiny_tokenizer, monkey
     engine.speculation = Speculation(ModelDrafter(tiny_model(0, n_layers=1)), 3)
     assert built_on and threading.get_ident() not in built_on
     assert engine.generate(list(range(5, 25)), max_new_tokens=4).token_ids  # the pool serves the loop
+    engine.close()
