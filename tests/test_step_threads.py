@@ -101,25 +101,23 @@ def test_a_closed_or_dropped_engine_leaves_no_loop_thread_or_openmp_team_behind(
     that one's steps wait on a futex. close() ends it (later requests are refused), and so does dropping the engine."""
     big = torch.ones(1 << 22)
     float(big.add(1).sum())  # this thread's own team, before counting
-    warm = tiny_engine(tiny_tokenizer, "paged")  # pools a process starts once and keeps (the first engine's), too
-    warm.generate(list(range(5, 25)), max_new_tokens=4)
-    warm.close()
-    before = os_threads()
-
-    def threads_left() -> list[str]:
-        return left_since(before) + [t.name for t in threading.enumerate() if t.name == "inferlab-engine"]
-
+    before, loops_before = os_threads(), engine_loops()  # earlier tests' engines may still hold theirs
     engine = tiny_engine(tiny_tokenizer, "paged")
     want = engine.generate(list(range(5, 25)), max_new_tokens=4).token_ids
-    assert "inferlab-engine" in {t.name for t in threading.enumerate()}
+    assert engine_loops() - loops_before  # this engine's loop thread
     engine.close()
-    assert threads_left() == []
+    assert left_since(before) == []  # the loop thread, and its OpenMP team
     with pytest.raises(EngineFailedError, match="closed"):
         engine.generate(list(range(5, 25)), max_new_tokens=4)
     dropped = tiny_engine(tiny_tokenizer, "paged")
     assert dropped.generate(list(range(5, 25)), max_new_tokens=4).token_ids == want
     del dropped
-    assert threads_left() == []
+    assert left_since(before) == []
+
+
+def engine_loops() -> set[threading.Thread]:
+    """The engine loop threads alive in this process (of every engine not yet closed or collected)."""
+    return {t for t in threading.enumerate() if t.name == "inferlab-engine"}
 
 
 def test_a_draft_pool_is_allocated_off_the_callers_thread(tiny_tokenizer, monkeypatch):
