@@ -125,13 +125,12 @@ def test_a_draft_pool_is_allocated_off_the_callers_thread(tiny_tokenizer, monkey
     ends: on the caller's thread it left a team beside the loop's, and every later step ran at half speed."""
     import inferlab.engine.engine as engine_module
 
-    built_on = []
+    loop_drafts, built_on = engine_module.loop_drafts, []
 
     def recording(*args, **kwargs):
         built_on.append(threading.get_ident())
         return loop_drafts(*args, **kwargs)
 
-    loop_drafts = engine_module.loop_drafts
     monkeypatch.setattr(engine_module, "loop_drafts", recording)
     engine = tiny_engine(tiny_tokenizer, "paged")
     engine.speculation = Speculation(ModelDrafter(tiny_model(0, n_layers=1)), 3)
