@@ -10,10 +10,9 @@ from inferlab.engine.adaptive_k import (
     WINDOW,
     AdaptiveK,
     Calibration,
-    DraftCost,
     StepCost,
     best_k,
-    draft_token_cost,
+    plan_k,
 )
 
 
@@ -121,39 +120,73 @@ def test_step_cost_takes_the_priors_line_until_enough_rows_are_timed():
     assert close.fit((0.008, 0.002)) == (pytest.approx(0.9 * 0.008), pytest.approx(0.9 * 0.002))  # 0.018 s at 6 rows
 
 
-def test_a_draft_token_costs_its_drafting_and_its_row_over_the_sequences_share_of_a_step():
-    step, draft = StepCost(), DraftCost()
-    assert draft_token_cost(step, draft, 1) is None  # nothing timed: the drafter's bytes ratio serves
-    prior = Calibration(0.008, 0.002, 0.001)
-    assert draft_token_cost(step, draft, 1, prior) == pytest.approx(prior.token_cost()) == (0.002 + 0.001) / 0.010
-    step = steps_of([1, 7, 8, 56])
-    assert draft_token_cost(step, draft, 1, Calibration(0.004, 0.001, 0.0005)) == pytest.approx(prior.token_cost())
-    for tokens in [10, 30] * MIN_SAMPLES:
-        draft.observe(tokens, 0.001 * tokens)  # a millisecond per drafted token
-    assert draft.per_token() == pytest.approx(0.001)
-    assert draft_token_cost(step, draft, 1) == pytest.approx((0.002 + 0.001) / 0.010)
-    assert draft_token_cost(step, draft, 8) == pytest.approx((0.002 + 0.001) / (0.024 / 8))
+def test_a_step_curve_follows_the_timed_row_counts_and_the_fitted_slope_past_them():
+    """fp32 SmolLM2's steps as timed in the engine loop: up to 8 rows on the project's kernel, more on oneDNN's, a
+    staircase a line misses (the step of 16 rows costs 12 ms more than 8, that of 9 as much)."""
+    timed = {8: 0.0275, 9: 0.0365, 16: 0.0393, 24: 0.052}
+    step = steps_of(list(timed), lambda rows: timed[rows])
+    seconds = step.curve((0.016, 0.001))
+    assert [seconds(r) for r in timed] == [pytest.approx(t) for t in timed.values()]
+    assert seconds(20) == pytest.approx((0.0393 + 0.052) / 2)  # between timed counts: on the line between them
+    _, b = step.fit()
+    assert seconds(40) == pytest.approx(0.052 + 16 * b) and seconds(4) == pytest.approx(0.0275 - 4 * b)
+    untimed = StepCost().curve((0.016, 0.001))  # nothing timed: the prior's line
+    assert untimed(8) == pytest.approx(0.024)
+    busier = StepCost()
+    busier.observe(8, 0.048)  # timed once, on a busier machine: the prior's line at its level
+    assert busier.curve((0.016, 0.001))(16) == pytest.approx(2 * 0.032)
 
 
-def test_a_prior_timed_in_a_burst_of_load_gives_way_to_faster_drafting():
-    """Timed at load while the machine was busy, a draft token read as costing more than a step (speculation would
-    not pay); one faster drafting in the loop, and the sequence's drafts cost what the loop timed."""
-    step, draft = steps_of([1, 7]), DraftCost()
-    prior = Calibration(0.008, 0.002, 0.012)
-    assert draft_token_cost(step, draft, 1, prior) == pytest.approx(1.4)
-    draft.observe(4, 0.004)
-    assert draft_token_cost(step, draft, 1, prior) == pytest.approx((0.002 + 0.001) / 0.010)
+def brute_force_plan(acceptances, max_k, target, draft):
+    decodes = len(acceptances)
+    rates = [
+        sum(sum(a**i for i in range(k + 1)) for a in acceptances) / (target(decodes * (k + 1)) + k * draft(decodes))
+        for k in range(max_k + 1)
+    ]
+    return max(range(max_k + 1), key=lambda k: (round(rates[k], 12), -k))
 
 
-@pytest.mark.parametrize("decodes, expected", [(1, 4), (8, 0)])
-def test_k_given_measured_costs(decodes, expected):
-    """A self draft accepted 88%, on steps of 8 ms plus 2 ms a row and a millisecond of drafting per token: one
-    sequence gains from rounds of 4 (a draft token at 0.3 of its 10 ms step); at c=8 a draft token costs as much
-    as the sequence's share of the step (3 ms of 24 / 8) and the sequence decodes plainly."""
-    step, draft = steps_of([1, 7, 8, 56, 16, 24]), DraftCost()
-    for _ in range(MIN_SAMPLES):
-        draft.observe(8, 0.008)
-    cost = draft_token_cost(step, draft, decodes)
-    policy = AdaptiveK(max_k=6, draft_cost=0.25, acceptance=0.88)
-    assert policy.next_k(cost) == expected == brute_force_k(0.88, cost, 6)
-    assert AdaptiveK(max_k=6, draft_cost=0.25, acceptance=0.88).next_k() == brute_force_k(0.88, 0.25, 6) > 0
+@pytest.mark.parametrize("acceptances", [[0.88], [0.3], [1.0, 0.5], [0.9] * 8, [0.2, 0.95, 0.95, 0.7]])
+@pytest.mark.parametrize("target", [(0.008, 0.002), (0.016, 0.001), (0.009, 0.0)])
+@pytest.mark.parametrize("draft", [(0.004, 0.0004), (0.002, 0.001), (0.0, 0.0)])
+def test_plan_k_maximizes_expected_tokens_per_second(acceptances, target, draft):
+    def line(a, b):
+        return lambda rows: a + b * rows
+
+    assert plan_k(acceptances, 6, line(*target), line(*draft)) == brute_force_plan(
+        acceptances, 6, line(*target), line(*draft)
+    )
+
+
+@pytest.mark.parametrize("acceptance", [0.3, 0.6, 0.88, 0.95])
+def test_plan_k_for_one_sequence_is_best_k(acceptance):
+    """One sequence on steps of a + b * rows: a draft token (its draft step and its verified row) costs
+    (draft + b) / (a + b) one-row steps, best_k's draft_cost."""
+    a, b, draft = 0.008, 0.002, 0.003
+    cost = (draft + b) / (a + b)
+    assert plan_k([acceptance], 6, lambda rows: a + b * rows, lambda rows: draft) == best_k(acceptance, cost, 6)
+
+
+@pytest.mark.parametrize(
+    "target, decodes, expected",
+    [
+        ((0.008, 0.002), 1, 2),  # one sequence: a draft token costs 2 ms + 4.4 ms, 0.64 of its 10 ms step
+        ((0.008, 0.002), 8, 0),  # c=8: 2 ms a verified row + 0.9 ms of the 8 sequences' draft step, of a 3 ms share
+        ((0.016, 0.001), 8, 2),  # a target whose step is mostly its fixed cost, c=8: 1 + 0.9 ms of a 3 ms share
+    ],
+)
+def test_k_given_measured_costs(target, decodes, expected):
+    """A self draft accepted 88%, on target steps of `target` (a, b) and draft steps of 4 ms + 0.4 ms a sequence.
+    Under load the rows decide: a draft step's fixed cost is shared by the sequences drafting in it, a verified row
+    is not, so the same draft pays at c=8 on a target whose step is mostly its fixed cost and not on one whose rows
+    cost."""
+    step = steps_of([1, 7, 8, 56, 16, 24], lambda rows: target[0] + target[1] * rows)
+    draft = steps_of([1, 4, 8], lambda rows: 0.004 + 0.0004 * rows)
+    prior = (1.0, 0.0)  # no load-time timing: the loop's own timings alone
+    k = plan_k([0.88] * decodes, 6, step.curve(prior), draft.curve(prior))
+    assert k == expected == brute_force_plan([0.88] * decodes, 6, step.curve(prior), draft.curve(prior))
+
+
+def test_a_calibrated_draft_token_costs_its_draft_step_and_its_verified_row():
+    calibration = Calibration(a=0.008, b=0.002, draft_a=0.003, draft_b=0.001)
+    assert calibration.token_cost() == pytest.approx((0.004 + 0.002) / 0.010)

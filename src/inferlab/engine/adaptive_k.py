@@ -7,17 +7,20 @@ k draft steps: 1 + k * `draft_cost` one-row target steps, a draft token costing 
 verified row (Calibration, timed at load; the draft's bytes over the target's before that). Each round takes
 the k in 0..max_k with the most tokens per unit of cost (Leviathan et al. 2023, section 3.4). a is a running
 estimate per sequence: text the draft knows well gets long rounds, text it does not gets short ones.
-
-In the engine loop a verification is rows of a batched step, and there each row costs: at c=8 the step's
-8 x (k + 1) rows take several one-row steps' time (the lm_head and attention per row, the kernel's rows per
-pass), and so do the draft's rows. The loop times both: StepCost fits its decode steps as seconds = a + b * rows,
-DraftCost its drafting per drafted token, each from the fastest of its recent timings (the load-time Calibration
-until it has its own); one draft token then costs (b + drafting) over the sequence's share of a plain step,
-(a + b * B) / B for B decodes (draft_token_cost): small for one sequence, large under load, where speculation
-then falls back to plain decoding.
-
 When even k = 1 costs more than it brings (a < the draft token's cost), the sequence decodes plainly for BACKOFF
 tokens, then probes with one round of at least one draft: speculation resumes where it pays again.
+
+In the engine loop a verification is rows of a batched step, and there rows cost: at c=8 a step's
+8 x (k + 1) rows take longer than its 8 (the lm_head and attention per row, the kernel's rows per pass, and a
+kernel may switch paths past some row count), and so do the draft's rows. There one K serves every decode of a
+step (plan_k): the k whose step, B x (k + 1) rows after k draft steps of B rows, brings the most expected tokens
+(from each sequence's own acceptance) per second. Both the loop's decode steps and its draft steps are timed
+(StepCost: the fastest timing at each row count, a line through them; the load-time Calibration until the loop
+has its own), so a draft step's fixed cost is shared by the sequences drafting in it: a row-cheap draft pays at
+c=4-8 where one sequence's draft step would not, and where rows cost more than acceptance brings, the loop
+decodes plainly. When only the estimates hold it back (drafts that were all accepted would pay), every decode
+probes with one draft after BACKOFF plain steps.
+
 The choice only ever depends on past rounds, so it keeps speculative sampling exact.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PRIOR = 0.8  # acceptance assumed before any evidence: a draft is used because it usually agrees
@@ -36,26 +40,10 @@ MIN_SPREAD = 3  # rows between the fewest and most rows timed before a row's cos
 
 
 @dataclass
-class AdaptiveK:
-    max_k: int
-    draft_cost: float  # one draft step, in target steps
-    acceptance: float = PRIOR
-    plain_left: int = field(default=0, init=False)  # plain steps before the next probe
-    probing: bool = field(default=False, init=False)
+class Acceptance:
+    """A sequence's running estimate of how often its draft tokens are accepted."""
 
-    def next_k(self, token_cost: float | None = None) -> int:
-        """This round's K; `token_cost`: a draft token's cost as measured (draft_token_cost), else `draft_cost`."""
-        if self.plain_left:
-            self.plain_left -= 1
-            self.probing = not self.plain_left
-            return 0
-        k = best_k(self.acceptance, self.draft_cost if token_cost is None else token_cost, self.max_k)
-        if k or self.probing:
-            self.probing = False
-            return max(k, min(1, self.max_k))
-        self.plain_left = BACKOFF - 1
-        self.probing = not self.plain_left
-        return 0
+    acceptance: float = PRIOR
 
     def observe(self, proposed: int, accepted: int) -> None:
         """A verified round: `accepted` drafts kept, then (if any was left) one rejected; later ones unseen."""
@@ -63,6 +51,30 @@ class AdaptiveK:
             self.acceptance += WEIGHT * (1.0 - self.acceptance)
         if accepted < proposed:
             self.acceptance -= WEIGHT * self.acceptance
+
+
+@dataclass(kw_only=True)
+class AdaptiveK(Acceptance):
+    """One sequence's K per round, speculating alone (engine/speculative.py)."""
+
+    max_k: int
+    draft_cost: float  # one draft token (its draft step and its verified row), in target steps
+    plain_left: int = field(default=0, init=False)  # plain steps before the next probe
+    probing: bool = field(default=False, init=False)
+
+    def next_k(self) -> int:
+        """This round's K."""
+        if self.plain_left:
+            self.plain_left -= 1
+            self.probing = not self.plain_left
+            return 0
+        k = best_k(self.acceptance, self.draft_cost, self.max_k)
+        if k or self.probing:
+            self.probing = False
+            return max(k, min(1, self.max_k))
+        self.plain_left = BACKOFF - 1
+        self.probing = not self.plain_left
+        return 0
 
 
 def best_k(acceptance: float, draft_cost: float, max_k: int) -> int:
@@ -81,42 +93,52 @@ def best_k(acceptance: float, draft_cost: float, max_k: int) -> int:
 @dataclass(frozen=True)
 class Calibration:
     """A drafter's costs timed at load (drafters.ModelDrafter.measure_cost), what adaptive K counts until the engine
-    loop has timed its own: a target step of `rows` rows takes a + b * rows seconds, a draft token `draft`."""
+    loop has timed its own: a target step of `rows` rows takes a + b * rows seconds, a draft step of `rows` rows
+    draft_a + draft_b * rows."""
 
     a: float
     b: float
-    draft: float
+    draft_a: float
+    draft_b: float
 
     def token_cost(self) -> float:
         """One draft token (its draft step and its verified row) of one sequence, in its one-row target steps."""
-        return (self.draft + self.b) / (self.a + self.b)
+        return (self.draft_a + self.draft_b + self.b) / (self.a + self.b)
 
 
 @dataclass
 class StepCost:
-    """A target step's seconds as a + b * rows, from the fastest of the last WINDOW steps at each row count (others on
-    a shared machine only ever slow a step down: a decayed mean of them read a stray slow verification as a costly
-    row, and with a few rows' spread a steep b left a near 0, a draft token costing more than a step, so that
-    sequences went to plain decoding). A least-squares line through the row counts seen MIN_SAMPLES times once they
-    span MIN_SPREAD rows; before that the prior's line (the load-time timing; without one, b = 0) scaled to the
-    fastest step seen."""
+    """A step's seconds (the target's decode steps, or the draft's steps) as a + b * rows, from the fastest of the last
+    WINDOW steps at each row count (others on a shared machine only ever slow a step down: a decayed mean of them read
+    a stray slow verification as a costly row, and with a few rows' spread a steep b left a near 0, a draft token
+    costing more than a step, so that sequences went to plain decoding). A least-squares line through the row counts
+    seen MIN_SAMPLES times once they span MIN_SPREAD rows; before that the prior's line (the load-time timing; without
+    one, b = 0) scaled to the fastest step seen."""
 
     steps: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def observe(self, rows: int, seconds: float) -> None:
         self.steps.append((rows, seconds))
 
+    def fastest(self) -> dict[int, float]:
+        """Each row count timed -> its fastest step."""
+        fastest: dict[int, float] = {}
+        for rows, seconds in self.steps:
+            fastest[rows] = min(seconds, fastest.get(rows, math.inf))
+        return fastest
+
+    def timed(self) -> dict[int, float]:
+        """Each row count timed at least MIN_SAMPLES times -> its fastest step."""
+        counts = Counter(rows for rows, _ in self.steps)
+        return {rows: seconds for rows, seconds in self.fastest().items() if counts[rows] >= MIN_SAMPLES}
+
     def fit(self, prior: tuple[float, float] | None = None) -> tuple[float, float] | None:
         """(a, b): seconds per step and per row, both >= 0; `prior` before any step (None without one)."""
         if not self.steps:
             return prior
-        fastest: dict[int, float] = {}
-        for rows, seconds in self.steps:
-            fastest[rows] = min(seconds, fastest.get(rows, math.inf))
-        counts = Counter(rows for rows, _ in self.steps)
-        seen = {rows: seconds for rows, seconds in fastest.items() if counts[rows] >= MIN_SAMPLES}
+        fastest, seen = self.fastest(), self.timed()
         if len(seen) < 2 or max(seen) - min(seen) < MIN_SPREAD:
-            a, b = prior if prior is not None else (1.0, 0.0)
+            a, b = prior if prior is not None and sum(prior) > 0 else (1.0, 0.0)
             scale = min(seconds / (a + b * rows) for rows, seconds in fastest.items())
             return a * scale, b * scale
         n = len(seen)
@@ -125,34 +147,40 @@ class StepCost:
         b = min(max(0.0, slope), mean_t / mean_r)
         return mean_t - b * mean_r, b
 
+    def curve(self, prior: tuple[float, float]) -> Callable[[int], float]:
+        """Seconds of a step of `rows` rows: between two row counts timed MIN_SAMPLES times, on the line between their
+        fastest steps, and past them on the fitted slope from the nearest one (a kernel that switches paths past some
+        row count makes a staircase, not a line: fp32 SmolLM2 steps of 8, 9 and 16 rows took 27.5, 36.5 and 39.3 ms);
+        the fitted line (`prior`'s, scaled, until it is fitted) where none is."""
+        a, b = self.fit(prior) or prior
+        knots = sorted(self.timed().items())
 
-@dataclass
-class DraftCost:
-    """Seconds of drafting per drafted token (a draft step's rows, its catching up on accepted tokens): the fastest of
-    the last WINDOW draftings."""
+        def seconds(rows: int) -> float:
+            if not knots:
+                return a + b * rows
+            (first, at_first), (last, at_last) = knots[0], knots[-1]
+            if rows <= first:
+                return max(at_first - b * (first - rows), 0.0)
+            if rows >= last:
+                return at_last + b * (rows - last)
+            (low, at_low), (high, at_high) = next((k0, k1) for k0, k1 in zip(knots, knots[1:]) if k1[0] >= rows)
+            return at_low + (at_high - at_low) * (rows - low) / (high - low)
 
-    per_token_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        self.per_token_seconds.append(seconds / tokens)
-
-    def per_token(self) -> float | None:
-        return min(self.per_token_seconds, default=None)
+        return seconds
 
 
-def draft_token_cost(step: StepCost, draft: DraftCost, decodes: int, prior: Calibration | None = None) -> float | None:
-    """One more draft token of a sequence (its drafting and its verified row), over the sequence's share of a plain
-    step of `decodes` decodes; None before anything is timed. `prior` (the load-time timing) counts as one more
-    timing of each, scaled to the steps the loop has timed (the machine may be busier or quieter now): a timing
-    taken in a burst of load never keeps a sequence from drafting once the loop has drafted faster than that."""
-    fit = step.fit((prior.a, prior.b) if prior is not None else None)
-    if fit is None:
-        return None
-    a, b = fit
-    timed = [t for t in (draft.per_token(),) if t is not None]
-    if prior is not None:
-        timed.append(prior.draft * (a + b) / (prior.a + prior.b))
-    if not timed:
-        return None
-    share = (a + b * decodes) / max(decodes, 1)
-    return (b + min(timed)) / share if share > 0 else None
+def plan_k(acceptances: list[float], max_k: int, target: Callable[[int], float], draft: Callable[[int], float]) -> int:
+    """The K every decode of an engine-loop step drafts: the k in 0..max_k with the most expected tokens per second,
+    each sequence's round bringing 1 + a + ... + a^k tokens at its own acceptance a, the step taking `target`(B x
+    (k + 1)) seconds for its B decodes after k draft steps of B rows, `draft`(B) each (ties: the shorter round).
+    For one sequence whose steps cost a + b * rows this is best_k."""
+    decodes = len(acceptances)
+    best, best_rate = 0, decodes / target(decodes)
+    runs, tokens = [1.0] * decodes, float(decodes)
+    for k in range(1, max_k + 1):
+        runs = [run * a for run, a in zip(runs, acceptances)]
+        tokens += sum(runs)
+        rate = tokens / (target(decodes * (k + 1)) + k * draft(decodes))
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = k, rate
+    return best

@@ -14,6 +14,7 @@ Drafters without a model (n-gram lookup) propose sequence by sequence through th
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from inferlab.engine.adaptive_k import StepCost
 from inferlab.engine.block_manager import BlockManager, BlockTable
 from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, Proposal, pick_draft_token
 from inferlab.engine.flat import FlatBatch, Segment, forward_flat
@@ -35,8 +37,9 @@ class LoopDrafts(ABC):
     calls: int = 0  # draft forwards, one per sequence per draft step (the per-request path counts the same)
 
     @abstractmethod
-    def propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
-        """Up to k tokens continuing each request's tokens, for every (request, k)."""
+    def propose(self, wants: list[tuple[Request, int]], timed: StepCost) -> list[Proposal]:
+        """Up to k tokens continuing each request's tokens, for every (request, k); each draft step's rows and
+        seconds go to `timed` (what a draft token costs, engine/adaptive_k.py)."""
 
     @abstractmethod
     def rollback(self, request: Request, length: int) -> None:
@@ -54,8 +57,8 @@ class SequenceDrafts(LoopDrafts):
     drafter: Drafter
     states: dict[Request, DraftState] = field(default_factory=dict)
 
-    def propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
-        proposals = []
+    def propose(self, wants: list[tuple[Request, int]], timed: StepCost) -> list[Proposal]:
+        proposals, start = [], time.perf_counter()
         for request, k in wants:
             state = self.states.get(request)
             if state is None:
@@ -63,6 +66,8 @@ class SequenceDrafts(LoopDrafts):
             calls = state.calls
             proposals.append(state.propose(request.token_ids, k, request.params, request.generator))
             self.calls += state.calls - calls
+        if wants:  # one draft step: every sequence's lookup
+            timed.observe(len(wants), time.perf_counter() - start)
         return proposals
 
     def rollback(self, request: Request, length: int) -> None:
@@ -82,7 +87,7 @@ class ModelDrafts(LoopDrafts):
     def __init__(self, drafter: ModelDrafter, cache: PagedKVCache) -> None:
         self.drafter, self.cache = drafter, cache
 
-    def propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
+    def propose(self, wants: list[tuple[Request, int]], timed: StepCost) -> list[Proposal]:
         tokens: list[list[int]] = [[] for _ in wants]
         dists: list[list[Tensor]] = [[] for _ in wants]
         feeds = {i: self._first_feed(r) for i, (r, k) in enumerate(wants) if k > 0}
@@ -91,6 +96,7 @@ class ModelDrafts(LoopDrafts):
             live = {i: feed for i, feed in feeds.items() if self._room(wants[i][0], feed)}
             if not live:
                 break
+            start = time.perf_counter()  # a draft step: its forward and its picks (which wait for the device)
             logits = self._forward(list(live.values()))  # (len(live), vocab)
             self.calls += len(live)
             feeds = {}
@@ -103,6 +109,7 @@ class ModelDrafts(LoopDrafts):
                 tokens[i].append(token)
                 if len(tokens[i]) < k and confidence >= min_confidence:
                     feeds[i] = Segment([token], feed.start + len(feed.tokens), feed.blocks)
+            timed.observe(sum(len(feed.tokens) for feed in live.values()), time.perf_counter() - start)
         return [Proposal(t, torch.stack(d) if d else None) for t, d in zip(tokens, dists)]
 
     def _forward(self, segments: list[Segment]) -> Tensor:

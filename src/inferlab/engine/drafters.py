@@ -114,8 +114,8 @@ class Drafter(ABC):
         return 0.0
 
     def measure_cost(self, target: Transformer, target_fused: FusedDecode | None, rows: int = 1) -> None:
-        """Time a draft step against target steps of 1 and `rows` rows, for `step_cost` and `calibration` (drafters
-        without a model cost nothing)."""
+        """Time target and draft steps of 1 and `rows` rows, for `step_cost` and `calibration` (drafters without a
+        model cost nothing)."""
 
 
 # ---- n-gram prompt lookup ------------------------------------------------------------------------
@@ -193,20 +193,19 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def measure_cost(self, target: Transformer, target_fused: FusedDecode | None, rows: int = 1) -> None:
-        """A target step of one row and of `rows` rows and a draft step of one, after a short context, taken in turn
+        """Target steps and draft steps of one row and of `rows` rows, after a short context, taken in turn
         MEASURE_REPEATS times: the fastest one-row target step, the others as the median of their ratios to the
         one-row step of their turn (timed one model after the other, a burst of load on the machine while the
         draft's steps ran read as a draft step costing 1.05 fp32 target steps one load and 0.15 the next; the fastest
         of each, 0.1-0.6 on a busy machine). Bytes are not the whole cost: SmolLM2's int4 self draft reads 0.8x an
         int8 target's bytes but measured 1.03x its step (AVX-512)."""
-        target_runner = ModelRunner(target, MEASURE_CONTEXT + rows, target_fused)
-        draft_runner = ModelRunner(self.model, MEASURE_CONTEXT + 1, self.fused)
-        for runner in (target_runner, draft_runner):
-            runner.forward(list(range(MEASURE_CONTEXT)), last_only=True)
-        runs = [
-            functools.partial(runner.verify_rows, [1] * n)
-            for runner, n in ((target_runner, 1), (target_runner, rows), (draft_runner, 1))
+        runners = [
+            ModelRunner(model, MEASURE_CONTEXT + rows, fused)
+            for model, fused in ((target, target_fused), (self.model, self.fused))
         ]
+        for runner in runners:
+            runner.forward(list(range(MEASURE_CONTEXT)), last_only=True)
+        runs = [functools.partial(runner.verify_rows, [1] * n) for runner in runners for n in (1, rows)]
         turns = []
         for _ in range(MEASURE_REPEATS):
             turn = []
@@ -216,9 +215,15 @@ class ModelDrafter(Drafter):
                 turn.append(time.perf_counter() - start)
             turns.append(turn)
         one = min(t[0] for t in turns)
-        many, draft = (one * statistics.median(t[i] / t[0] for t in turns) for i in (1, 2))
-        b = min(max(0.0, (many - one) / (rows - 1)), one) if rows > 1 else 0.0
-        self.calibration = Calibration(one - b, b, draft)
+        seconds = [one] + [one * statistics.median(t[i] / t[0] for t in turns) for i in (1, 2, 3)]
+        (a, b), (draft_a, draft_b) = line(seconds[0], seconds[1], rows), line(seconds[2], seconds[3], rows)
+        self.calibration = Calibration(a, b, draft_a, draft_b)
+
+
+def line(one: float, many: float, rows: int) -> tuple[float, float]:
+    """(a, b) of seconds = a + b * rows through a step of one row and one of `rows` rows (b in 0..one)."""
+    b = min(max(0.0, (many - one) / (rows - 1)), one) if rows > 1 else 0.0
+    return one - b, b
 
 
 @dataclass

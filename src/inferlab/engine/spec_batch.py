@@ -1,9 +1,9 @@
-"""Speculation inside the engine loop: every decoding sequence drafts its own K, and the step's one flat forward
-verifies them all.
+"""Speculation inside the engine loop: every decoding sequence drafts up to the step's K, and the step's one flat
+forward verifies them all.
 
-The scheduler asks each decode's K (`wanted`: engine/adaptive_k.py, from the sequence's own acceptance so far
-and from what a draft token costs in this loop, its drafting and its verified row, both timed; at most spec.k)
-and gives it room for that many draft tokens past its next one where the budget and free blocks allow
+The scheduler asks the decodes' K (`wanted`: engine/adaptive_k.py's plan_k, from the sequences' own acceptance so
+far and from what the loop's target steps and draft steps take by rows, both timed; at most spec.k) and gives
+each room for that many draft tokens past its next one where the budget and free blocks allow
 (engine/scheduler.py); the drafter proposes within that room (engine/draft_pool.py: one draft forward per
 draft step for all the sequences). A drafted sequence's segment of the step is then its last token and its
 drafts, every row's logits wanted: K+1 next-token distributions. A sequence with no drafts this step (K = 0,
@@ -18,13 +18,12 @@ own `accept`, which ends it at EOS, a stop string or max_tokens wherever that fa
 
 from __future__ import annotations
 
-import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from inferlab.engine.adaptive_k import AdaptiveK, DraftCost, StepCost, draft_token_cost
+from inferlab.engine.adaptive_k import BACKOFF, Acceptance, Calibration, StepCost, plan_k
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.draft_pool import LoopDrafts
 from inferlab.engine.drafters import Proposal
@@ -42,36 +41,51 @@ class LoopSpeculation:
     drafts: LoopDrafts
     blocks: BlockManager  # the target's: verification counts kept tokens and gives rejected rows' blocks back
     target: Transformer  # what a draft step's cost is counted in (adaptive K)
-    policies: dict[Request, AdaptiveK] = field(default_factory=dict)
+    acceptances: dict[Request, Acceptance] = field(default_factory=dict)
     proposals: dict[Request, Proposal] = field(default_factory=dict)  # this step's
     step_cost: StepCost = field(default_factory=StepCost)  # the loop's decode steps, timed (EngineLoop.step)
-    draft_cost: DraftCost = field(default_factory=DraftCost)  # the drafting, timed here
+    draft_cost: StepCost = field(default_factory=StepCost)  # the draft steps, timed by the drafts (propose)
+    plain_steps: int = 0  # steps in a row that no decode drafted while drafts that are all accepted would pay
 
     def wanted(self, decodes: list[Request]) -> list[int]:
-        """The K each of a step's decodes would draft (the scheduler reserves their room from it)."""
+        """The K each of a step's decodes would draft (the scheduler reserves their room from it): one K for all,
+        from their acceptances and the loop's timed steps (adaptive_k.plan_k)."""
         if not self.speculation.adaptive:
             return [self.speculation.k] * len(decodes)
-        prior = self.speculation.drafter.calibration
-        token_cost = draft_token_cost(self.step_cost, self.draft_cost, len(decodes), prior)
-        if token_cost is not None and token_cost >= 1 and self.draft_cost.per_token() is not None:
-            # a draft token, its drafting timed in this loop, costs a sequence's whole share of a plain step: no
-            # acceptance pays for it (k + 1 tokens for 1 + k steps' worth), so none drafts, not even a probe
-            # (each widens the batched step and runs a draft forward for nothing) until the load lightens
+        acceptances = [self.acceptances.setdefault(r, Acceptance()).acceptance for r in decodes]
+        target, draft = self._costs()
+        k = plan_k(acceptances, self.speculation.k, target, draft)
+        if k or not plan_k([1.0] * len(decodes), self.speculation.k, target, draft):
+            self.plain_steps = 0  # drafting, or no acceptance would pay for it: nothing to probe
+            return [k] * len(decodes)
+        self.plain_steps += 1
+        if self.plain_steps < BACKOFF:
             return [0] * len(decodes)
-        return [self._policy(r).next_k(token_cost) for r in decodes]
+        self.plain_steps = 0  # the estimates held speculation back for BACKOFF steps: every decode probes
+        return [1] * len(decodes)
+
+    def _costs(self) -> tuple[Callable[[int], float], Callable[[int], float]]:
+        """Seconds of a target step and of a draft step, by rows: as the loop timed them, the load-time Calibration
+        (scaled as the loop's target steps were to it) where it has not; without a calibration, in one-row target
+        steps with a draft step costing the drafter's own estimate (its bytes)."""
+        prior = self.speculation.drafter.calibration
+        if prior is None:
+            prior = Calibration(1.0, 0.0, self.speculation.drafter.step_cost(self.target), 0.0)
+        a, b = self.step_cost.fit((prior.a, prior.b)) or (prior.a, prior.b)
+        scale = (a + b) / (prior.a + prior.b)
+        return self.step_cost.curve((prior.a, prior.b)), self.draft_cost.curve(
+            (prior.draft_a * scale, prior.draft_b * scale)
+        )
 
     def propose(self, batch: ScheduledBatch, running: Collection[Request]) -> dict[Request, list[int]]:
         """The drafts of each decode of `batch` given room for them, for this step's forward; decodes missing from
         the result (no room, or nothing proposed) decode plainly."""
         self.drafts.retain(running)
-        for request in [r for r in self.policies if r not in running]:
-            del self.policies[request]
+        for request in [r for r in self.acceptances if r not in running]:
+            del self.acceptances[request]
         wants = [(r, room) for r, room in zip(batch.decodes, batch.lookahead) if room]
-        calls, start = self.drafts.calls, time.perf_counter()
-        proposals = self.drafts.propose(wants)
-        drafted = sum(len(p.tokens) for p in proposals)
-        if drafted:
-            self.draft_cost.observe(drafted, time.perf_counter() - start)
+        calls = self.drafts.calls
+        proposals = self.drafts.propose(wants, self.draft_cost)
         self.proposals = {r: p for (r, _), p in zip(wants, proposals) if p.tokens}
         for request, _ in wants:
             if request not in self.proposals:  # nothing proposed: the room reserved for drafts goes back
@@ -79,13 +93,6 @@ class LoopSpeculation:
         plain = len(batch.decodes) - len(self.proposals)  # one target call and one token each
         self.speculation.totals.add(SpecStats(plain, self.drafts.calls - calls, 0, 0, plain))
         return {r: p.tokens for r, p in self.proposals.items()}
-
-    def _policy(self, request: Request) -> AdaptiveK:
-        policy = self.policies.get(request)
-        if policy is None:
-            cost = self.speculation.drafter.step_cost(self.target)
-            policy = self.policies[request] = AdaptiveK(self.speculation.k, cost)
-        return policy
 
     def verify(self, request: Request, rows: Tensor) -> list[StreamEvent]:
         """The step's (1 + k, vocab) logits of a drafted decode -> its kept tokens' events."""
@@ -98,9 +105,9 @@ class LoopSpeculation:
             events += request.accept(token)
             if request.finished:
                 break
-        policy = self.policies.get(request)
-        if policy is not None:
-            policy.observe(len(drafts), n)
+        acceptance = self.acceptances.get(request)
+        if acceptance is not None:
+            acceptance.observe(len(drafts), n)
         if not request.finished:
             self.blocks.advance(request.kv, request.token_ids, n)
             self.blocks.trim(request.kv, request.num_tokens)

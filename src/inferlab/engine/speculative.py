@@ -229,7 +229,7 @@ class Speculation:
             prefilled = runner.forward(list(prompt_ids), last_only=True)[-1], runner
         first_logits, sequence = prefilled
         draft = self.drafter.start(len(prompt_ids) + max_new_tokens)
-        policy = AdaptiveK(self.k, self.drafter.step_cost(target)) if self.adaptive else None
+        policy = AdaptiveK(max_k=self.k, draft_cost=self.drafter.step_cost(target)) if self.adaptive else None
         return SpecSession(
             draft,
             list(prompt_ids),
