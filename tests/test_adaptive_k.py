@@ -137,10 +137,12 @@ def test_a_step_curve_follows_the_timed_row_counts_and_the_fitted_slope_past_the
     assert busier.curve((0.016, 0.001))(16) == pytest.approx(2 * 0.032)
 
 
-def brute_force_plan(acceptances, max_k, target, draft):
+def brute_force_plan(acceptances, max_k, target, draft, first_rows=None):
     decodes = len(acceptances)
+    first = draft(first_rows or decodes)
     rates = [
-        sum(sum(a**i for i in range(k + 1)) for a in acceptances) / (target(decodes * (k + 1)) + k * draft(decodes))
+        sum(sum(a**i for i in range(k + 1)) for a in acceptances)
+        / (target(decodes * (k + 1)) + (first + (k - 1) * draft(decodes) if k else 0.0))
         for k in range(max_k + 1)
     ]
     return max(range(max_k + 1), key=lambda k: (round(rates[k], 12), -k))
@@ -149,13 +151,26 @@ def brute_force_plan(acceptances, max_k, target, draft):
 @pytest.mark.parametrize("acceptances", [[0.88], [0.3], [1.0, 0.5], [0.9] * 8, [0.2, 0.95, 0.95, 0.7]])
 @pytest.mark.parametrize("target", [(0.008, 0.002), (0.016, 0.001), (0.009, 0.0)])
 @pytest.mark.parametrize("draft", [(0.004, 0.0004), (0.002, 0.001), (0.0, 0.0)])
-def test_plan_k_maximizes_expected_tokens_per_second(acceptances, target, draft):
+@pytest.mark.parametrize("unseen", [None, 16, 200])  # rows of the first draft step (a draft model catching up)
+def test_plan_k_maximizes_expected_tokens_per_second(acceptances, target, draft, unseen):
     def line(a, b):
         return lambda rows: a + b * rows
 
-    assert plan_k(acceptances, 6, line(*target), line(*draft)) == brute_force_plan(
-        acceptances, 6, line(*target), line(*draft)
+    first_rows = None if unseen is None else unseen * len(acceptances)
+    assert plan_k(acceptances, 6, line(*target), line(*draft), first_rows) == brute_force_plan(
+        acceptances, 6, line(*target), line(*draft), first_rows
     )
+
+
+def test_a_draft_that_must_first_read_the_whole_context_does_not_start_where_its_rounds_barely_pay():
+    """A draft model with its own KV feeds a request's whole context at its first drafting: an int8-like target
+    (4 ms + 0.7 ms a row) with a draft of 2 ms + 0.05 ms a row gains from rounds once caught up, but not enough to
+    pay 200 rows of catching up in one round; an fp32-like target (15 ms a step) does."""
+    draft = lambda rows: 0.002 + 0.00005 * rows  # noqa: E731
+    int8 = lambda rows: 0.004 + 0.0007 * rows  # noqa: E731
+    assert plan_k([0.8], 6, int8, draft) > 0
+    assert plan_k([0.8], 6, int8, draft, first_rows=200) == 0
+    assert plan_k([0.8], 6, lambda rows: 0.015 + 0.0007 * rows, draft, first_rows=200) > 0
 
 
 @pytest.mark.parametrize("acceptance", [0.3, 0.6, 0.88, 0.95])

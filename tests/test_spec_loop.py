@@ -9,13 +9,14 @@ import functools
 from dataclasses import replace
 
 import pytest
+import torch
 from conftest import tiny_engine
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_scheduler import assert_single_request_tokens, check_invariants, fake_request, operations, run_operations
 from test_spec import TOY_PROMPT, chi_square_pvalue, exact_sequence_probs, perturbed, toy_model
 
-from inferlab.engine.adaptive_k import BACKOFF, MIN_SAMPLES, Calibration
+from inferlab.engine.adaptive_k import BACKOFF, MAX_BACKOFF, MIN_SAMPLES, Calibration
 from inferlab.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.sampling import SamplingParams
@@ -261,6 +262,8 @@ def test_no_sequence_drafts_while_the_timed_rows_cost_more_than_any_acceptance_b
 
 
 def test_every_decode_probes_after_backoff_steps_where_only_the_estimates_hold_drafting_back(tiny_tokenizer):
+    """A probe costs a draft step and a verified row for each decode: after BACKOFF plain steps, then twice as many
+    after each probe that did not resume drafting."""
     engine = loop_engine(tiny_tokenizer, None, kv_blocks=64)
     engine.speculation = Speculation(drafter("self", engine.model), 4, adaptive=True)
     loop = engine.loop.speculation
@@ -272,6 +275,28 @@ def test_every_decode_probes_after_backoff_steps_where_only_the_estimates_hold_d
     assert loop.wanted(requests)[0] > 0  # the prior estimate (0.8): long rounds pay here
     for request in requests:
         loop.acceptances[request].acceptance = 0.01  # drafts that were all rejected
-    assert [loop.wanted(requests) for _ in range(BACKOFF - 1)] == [[0] * 4] * (BACKOFF - 1)
-    assert loop.wanted(requests) == [1] * 4  # every decode probes together
-    assert loop.wanted(requests) == [0] * 4
+    backoff = BACKOFF
+    for _ in range(6):  # probes in vain: each next one waits twice as long, up to MAX_BACKOFF steps
+        assert [loop.wanted(requests) for _ in range(backoff - 1)] == [[0] * 4] * (backoff - 1)
+        assert loop.wanted(requests) == [1] * 4  # every decode probes together
+        backoff = min(2 * backoff, MAX_BACKOFF)
+    assert backoff == MAX_BACKOFF
+    for request in requests:
+        loop.acceptances[request].acceptance = 0.9  # the probes' drafts were accepted: drafting resumes
+    assert loop.wanted(requests)[0] > 0 and loop.backoff == BACKOFF
+
+
+@pytest.mark.parametrize("kind, unseen", [("draft", 12), ("self", 1), ("ngram", 1)])
+def test_a_first_draft_step_feeds_what_the_draft_has_not_seen(tiny_tokenizer, kind, unseen):
+    """A draft model with a KV pool of its own first reads a request's whole context (then, after plain steps, their
+    tokens); the self draft reads the target's KV and n-gram lookup reads nothing: one row each."""
+    engine = loop_engine(tiny_tokenizer, None, kv_blocks=64)
+    speculate(engine, drafter(kind, engine.model), 4, adaptive=True)
+    request = fake_request(0, list(range(5, 17)), 8)
+    drafts = engine.loop.speculation.drafts
+    assert drafts.unseen(request) == unseen
+    if kind == "draft":
+        with torch.inference_mode():  # as the engine loop's step runs it
+            drafts.propose([(request, 1)], engine.loop.speculation.draft_cost)
+        request.output_ids.append(3)  # the target's next token
+        assert drafts.unseen(request) == 1

@@ -18,8 +18,10 @@ step (plan_k): the k whose step, B x (k + 1) rows after k draft steps of B rows,
 (StepCost: the fastest timing at each row count, a line through them; the load-time Calibration until the loop
 has its own), so a draft step's fixed cost is shared by the sequences drafting in it: a row-cheap draft pays at
 c=4-8 where one sequence's draft step would not, and where rows cost more than acceptance brings, the loop
-decodes plainly. When only the estimates hold it back (drafts that were all accepted would pay), every decode
-probes with one draft after BACKOFF plain steps.
+decodes plainly. A draft model with a KV cache of its own first feeds what it has not seen (the tokens of plain
+steps, the whole context at a request's first drafting), so a step's first draft step counts those rows. When only
+the estimates hold it back (drafts that were all accepted would pay), every decode probes with one draft after
+BACKOFF plain steps, twice as many after each probe that did not resume drafting (up to MAX_BACKOFF).
 
 The choice only ever depends on past rounds, so it keeps speculative sampling exact.
 """
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 PRIOR = 0.8  # acceptance assumed before any evidence: a draft is used because it usually agrees
 WEIGHT = 0.1  # each accepted or rejected draft token moves the estimate this far towards 1 or 0 (~10-token memory)
 BACKOFF = 16  # plain decoding steps after speculation stopped paying, before the next probe
+MAX_BACKOFF = 256  # the engine loop's plain steps between probes, doubled after each probe in vain, are at most this
 WINDOW = 32  # the recent steps (and draftings) whose costs adaptive K counts
 MIN_SAMPLES = 4  # timings of a row count before its fastest is a point of the fitted line
 MIN_SPREAD = 3  # rows between the fewest and most rows timed before a row's cost is fitted
@@ -169,18 +172,26 @@ class StepCost:
         return seconds
 
 
-def plan_k(acceptances: list[float], max_k: int, target: Callable[[int], float], draft: Callable[[int], float]) -> int:
+def plan_k(
+    acceptances: list[float],
+    max_k: int,
+    target: Callable[[int], float],
+    draft: Callable[[int], float],
+    first_rows: int | None = None,
+) -> int:
     """The K every decode of an engine-loop step drafts: the k in 0..max_k with the most expected tokens per second,
     each sequence's round bringing 1 + a + ... + a^k tokens at its own acceptance a, the step taking `target`(B x
-    (k + 1)) seconds for its B decodes after k draft steps of B rows, `draft`(B) each (ties: the shorter round).
-    For one sequence whose steps cost a + b * rows this is best_k."""
+    (k + 1)) seconds for its B decodes after k draft steps, the first of `first_rows` rows (what the draft has not
+    seen yet; default B), the others of B rows, each `draft`(rows) (ties: the shorter round). For one sequence whose
+    steps cost a + b * rows this is best_k."""
     decodes = len(acceptances)
+    first = draft(decodes if first_rows is None else first_rows)
     best, best_rate = 0, decodes / target(decodes)
     runs, tokens = [1.0] * decodes, float(decodes)
     for k in range(1, max_k + 1):
         runs = [run * a for run, a in zip(runs, acceptances)]
         tokens += sum(runs)
-        rate = tokens / (target(decodes * (k + 1)) + k * draft(decodes))
+        rate = tokens / (target(decodes * (k + 1)) + first + (k - 1) * draft(decodes))
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = k, rate
     return best

@@ -41,6 +41,10 @@ class LoopDrafts(ABC):
         """Up to k tokens continuing each request's tokens, for every (request, k); each draft step's rows and
         seconds go to `timed` (what a draft token costs, engine/adaptive_k.py)."""
 
+    def unseen(self, request: Request) -> int:
+        """Rows of the request's first draft step: its tokens the draft has not seen (one: the last token)."""
+        return 1
+
     @abstractmethod
     def rollback(self, request: Request, length: int) -> None:
         """The request's first `length` tokens are confirmed; forget any draft state beyond them."""
@@ -179,6 +183,10 @@ class DraftPool(ModelDrafts):
     def _first_feed(self, request: Request) -> Segment:
         table = self._table(request)
         return Segment(request.token_ids[table.num_computed :], table.num_computed, table.blocks)
+
+    def unseen(self, request: Request) -> int:
+        table = self.tables.get(request)
+        return len(request.token_ids) - (table.num_computed if table is not None else 0)
 
     def _room(self, request: Request, feed: Segment) -> bool:
         return self.blocks.ensure_room(self._table(request), feed.start + len(feed.tokens))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from inferlab.engine.adaptive_k import BACKOFF, Acceptance, Calibration, StepCost, plan_k
+from inferlab.engine.adaptive_k import BACKOFF, MAX_BACKOFF, Acceptance, Calibration, StepCost, plan_k
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.draft_pool import LoopDrafts
 from inferlab.engine.drafters import Proposal
@@ -46,6 +46,7 @@ class LoopSpeculation:
     step_cost: StepCost = field(default_factory=StepCost)  # the loop's decode steps, timed (EngineLoop.step)
     draft_cost: StepCost = field(default_factory=StepCost)  # the draft steps, timed by the drafts (propose)
     plain_steps: int = 0  # steps in a row that no decode drafted while drafts that are all accepted would pay
+    backoff: int = BACKOFF  # such steps before every decode probes
 
     def wanted(self, decodes: list[Request]) -> list[int]:
         """The K each of a step's decodes would draft (the scheduler reserves their room from it): one K for all,
@@ -54,14 +55,18 @@ class LoopSpeculation:
             return [self.speculation.k] * len(decodes)
         acceptances = [self.acceptances.setdefault(r, Acceptance()).acceptance for r in decodes]
         target, draft = self._costs()
-        k = plan_k(acceptances, self.speculation.k, target, draft)
-        if k or not plan_k([1.0] * len(decodes), self.speculation.k, target, draft):
-            self.plain_steps = 0  # drafting, or no acceptance would pay for it: nothing to probe
+        first_rows = sum(self.drafts.unseen(r) for r in decodes)
+        k = plan_k(acceptances, self.speculation.k, target, draft, first_rows)
+        if k or not plan_k([1.0] * len(decodes), self.speculation.k, target, draft, first_rows):
+            # drafting, or no acceptance would pay for it: nothing to probe
+            self.plain_steps, self.backoff = 0, BACKOFF if k else self.backoff
             return [k] * len(decodes)
         self.plain_steps += 1
-        if self.plain_steps < BACKOFF:
+        if self.plain_steps < self.backoff:
             return [0] * len(decodes)
-        self.plain_steps = 0  # the estimates held speculation back for BACKOFF steps: every decode probes
+        # the estimates held speculation back for `backoff` steps: every decode probes (and if that does not resume
+        # drafting, the next probe waits twice as long)
+        self.plain_steps, self.backoff = 0, min(2 * self.backoff, MAX_BACKOFF)
         return [1] * len(decodes)
 
     def _costs(self) -> tuple[Callable[[int], float], Callable[[int], float]]:
