@@ -38,8 +38,8 @@ class LoopDrafts(ABC):
 
     @abstractmethod
     def propose(self, wants: list[tuple[Request, int]], timed: StepCost) -> list[Proposal]:
-        """Up to k tokens continuing each request's tokens, for every (request, k); each draft step's rows and
-        seconds go to `timed` (what a draft token costs, engine/adaptive_k.py)."""
+        """Up to k tokens continuing each request's tokens, for every (request, k); the rows and seconds of each draft
+        step of one token a sequence go to `timed` (what drafting costs, engine/adaptive_k.py)."""
 
     def unseen(self, request: Request) -> int:
         """Rows of the request's first draft step: its tokens the draft has not seen (one: the last token)."""
@@ -113,7 +113,10 @@ class ModelDrafts(LoopDrafts):
                 tokens[i].append(token)
                 if len(tokens[i]) < k and confidence >= min_confidence:
                     feeds[i] = Segment([token], feed.start + len(feed.tokens), feed.blocks)
-            timed.observe(sum(len(feed.tokens) for feed in live.values()), time.perf_counter() - start)
+            if all(len(feed.tokens) == 1 for feed in live.values()):
+                # timed by rows: draft steps of one token a sequence (a catching-up feed is a prompt chunk, a
+                # prompt-long one on the Python model: its rows cost otherwise, and a line through both fits neither)
+                timed.observe(len(live), time.perf_counter() - start)
         return [Proposal(t, torch.stack(d) if d else None) for t, d in zip(tokens, dists)]
 
     def _forward(self, segments: list[Segment]) -> Tensor:

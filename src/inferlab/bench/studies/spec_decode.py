@@ -99,6 +99,8 @@ def speculation_for(engine: InferenceEngine, cfg: DictConfig, name: str) -> Spec
     assert speculation is not None, f"spec={name} builds no drafter"
     select_kernels(nn.ModuleList(speculation.drafter.models()), c.device, c.dtype, c.kernels)
     speculation.drafter.build_fused(c.device, c.dtype, c.kernels)
+    # timed against this target, as a server times its drafter at load (api.engine_from_config): adaptive K's prior
+    speculation.drafter.measure_cost(engine.model, engine.fused, speculation.k + 1)
     return speculation
 
 
