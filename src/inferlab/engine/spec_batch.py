@@ -56,10 +56,12 @@ class LoopSpeculation:
         acceptances = [self.acceptances.setdefault(r, Acceptance()).acceptance for r in decodes]
         target, draft = self._costs()
         first_rows = sum(self.drafts.unseen(r) for r in decodes)
+        if not plan_k([1.0] * len(decodes), self.speculation.k, target, draft, first_rows):
+            self.plain_steps = 0  # no acceptance would pay for drafting (under load): nothing to probe
+            return [0] * len(decodes)
         k = plan_k(acceptances, self.speculation.k, target, draft, first_rows)
-        if k or not plan_k([1.0] * len(decodes), self.speculation.k, target, draft, first_rows):
-            # drafting, or no acceptance would pay for it: nothing to probe
-            self.plain_steps, self.backoff = 0, BACKOFF if k else self.backoff
+        if k:
+            self.plain_steps, self.backoff = 0, BACKOFF
             return [k] * len(decodes)
         self.plain_steps += 1
         if self.plain_steps < self.backoff:
