@@ -300,3 +300,13 @@ def test_a_first_draft_step_feeds_what_the_draft_has_not_seen(tiny_tokenizer, ki
             drafts.propose([(request, 1)], engine.loop.speculation.draft_cost)
         request.output_ids.append(3)  # the target's next token
         assert drafts.unseen(request) == 1
+
+
+def test_a_drafter_without_a_model_is_timed_for_its_verified_rows(tiny_tokenizer):
+    """n-gram lookup drafts for nothing, but its drafts' rows are verified: measure_cost times the target's steps."""
+    engine = loop_engine(tiny_tokenizer, None, kv_blocks=64)
+    ngram = NgramDrafter()
+    ngram.measure_cost(engine.model, engine.fused, rows=5)
+    calibration = ngram.calibration
+    assert calibration is not None and calibration.a + calibration.b > 0 and calibration.b >= 0
+    assert (calibration.draft_a, calibration.draft_b) == (0.0, 0.0)

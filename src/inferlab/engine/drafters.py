@@ -114,8 +114,10 @@ class Drafter(ABC):
         return 0.0
 
     def measure_cost(self, target: Transformer, target_fused: FusedDecode | None, rows: int = 1) -> None:
-        """Time target and draft steps of 1 and `rows` rows, for `step_cost` and `calibration` (drafters without a
-        model cost nothing)."""
+        """Time target (and draft) steps of 1 and `rows` rows, for `step_cost` and `calibration`: the target's rows
+        are what a verification costs; a drafter without a model drafts for nothing."""
+        ((a, b),) = timed_lines([(target, target_fused)], rows)
+        self.calibration = Calibration(a, b, 0.0, 0.0)
 
 
 # ---- n-gram prompt lookup ------------------------------------------------------------------------
@@ -191,33 +193,34 @@ class ModelDrafter(Drafter):
             return self.calibration.token_cost()
         return weight_bytes(self.model) / weight_bytes(target)
 
-    @torch.inference_mode()
     def measure_cost(self, target: Transformer, target_fused: FusedDecode | None, rows: int = 1) -> None:
-        """Target steps and draft steps of one row and of `rows` rows, after a short context, taken in turn
-        MEASURE_REPEATS times: the fastest one-row target step, the others as the median of their ratios to the
-        one-row step of their turn (timed one model after the other, a burst of load on the machine while the
-        draft's steps ran read as a draft step costing 1.05 fp32 target steps one load and 0.15 the next; the fastest
-        of each, 0.1-0.6 on a busy machine). Bytes are not the whole cost: SmolLM2's int4 self draft reads 0.8x an
-        int8 target's bytes but measured 1.03x its step (AVX-512)."""
-        runners = [
-            ModelRunner(model, MEASURE_CONTEXT + rows, fused)
-            for model, fused in ((target, target_fused), (self.model, self.fused))
-        ]
-        for runner in runners:
-            runner.forward(list(range(MEASURE_CONTEXT)), last_only=True)
-        runs = [functools.partial(runner.verify_rows, [1] * n) for runner in runners for n in (1, rows)]
-        turns = []
-        for _ in range(MEASURE_REPEATS):
-            turn = []
-            for run in runs:
-                start = time.perf_counter()
-                run()
-                turn.append(time.perf_counter() - start)
-            turns.append(turn)
-        one = min(t[0] for t in turns)
-        seconds = [one] + [one * statistics.median(t[i] / t[0] for t in turns) for i in (1, 2, 3)]
-        (a, b), (draft_a, draft_b) = line(seconds[0], seconds[1], rows), line(seconds[2], seconds[3], rows)
+        (a, b), (draft_a, draft_b) = timed_lines([(target, target_fused), (self.model, self.fused)], rows)
         self.calibration = Calibration(a, b, draft_a, draft_b)
+
+
+@torch.inference_mode()
+def timed_lines(models: list[tuple[Transformer, FusedDecode | None]], rows: int) -> list[tuple[float, float]]:
+    """Each model's steps as seconds = a + b * rows: steps of one row and of `rows` rows, after a short context, taken
+    in turn MEASURE_REPEATS times; the first model's fastest one-row step, the others as the median of their ratios to
+    the one-row step of their turn (timed one model after the other, a burst of load on the machine while the draft's
+    steps ran read as a draft step costing 1.05 fp32 target steps one load and 0.15 the next; the fastest of each,
+    0.1-0.6 on a busy machine). Bytes are not the whole cost: SmolLM2's int4 self draft reads 0.8x an int8 target's
+    bytes but measured 1.03x its step (AVX-512)."""
+    runners = [ModelRunner(model, MEASURE_CONTEXT + rows, fused) for model, fused in models]
+    for runner in runners:
+        runner.forward(list(range(MEASURE_CONTEXT)), last_only=True)
+    runs = [functools.partial(runner.verify_rows, [1] * n) for runner in runners for n in (1, rows)]
+    turns = []
+    for _ in range(MEASURE_REPEATS):
+        turn = []
+        for run in runs:
+            start = time.perf_counter()
+            run()
+            turn.append(time.perf_counter() - start)
+        turns.append(turn)
+    one = min(t[0] for t in turns)
+    seconds = [one] + [one * statistics.median(t[i] / t[0] for t in turns) for i in range(1, len(runs))]
+    return [line(seconds[i], seconds[i + 1], rows) for i in range(0, len(runs), 2)]
 
 
 def line(one: float, many: float, rows: int) -> tuple[float, float]:
