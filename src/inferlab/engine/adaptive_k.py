@@ -95,9 +95,9 @@ def best_k(acceptance: float, draft_cost: float, max_k: int) -> int:
 
 @dataclass(frozen=True)
 class Calibration:
-    """A drafter's costs timed at load (drafters.ModelDrafter.measure_cost), what adaptive K counts until the engine
-    loop has timed its own: a target step of `rows` rows takes a + b * rows seconds, a draft step of `rows` rows
-    draft_a + draft_b * rows."""
+    """A drafter's costs timed at load (its measure_cost: drafters.timed_lines), what adaptive K counts until the
+    engine loop has timed its own: a target step of `rows` rows takes a + b * rows seconds, a draft step of `rows`
+    rows draft_a + draft_b * rows (0 for a drafter without a model)."""
 
     a: float
     b: float
