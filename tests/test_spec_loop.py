@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from test_scheduler import assert_single_request_tokens, check_invariants, fake_request, operations, run_operations
 from test_spec import TOY_PROMPT, chi_square_pvalue, exact_sequence_probs, perturbed, toy_model
 
-from inferlab.engine.adaptive_k import BACKOFF, MAX_BACKOFF, MIN_SAMPLES, Calibration
+from inferlab.engine.adaptive_k import BACKOFF, MAX_BACKOFF, MIN_SAMPLES, PRIOR, WEIGHT, Calibration
 from inferlab.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.sampling import SamplingParams
+from inferlab.engine.scheduler import ScheduledBatch
 from inferlab.engine.sequence import Request
 from inferlab.engine.speculative import Speculation
 from inferlab.model.loader import LoadedModel
@@ -310,3 +311,21 @@ def test_a_drafter_without_a_model_is_timed_for_its_verified_rows(tiny_tokenizer
     calibration = ngram.calibration
     assert calibration is not None and calibration.a + calibration.b > 0 and calibration.b >= 0
     assert (calibration.draft_a, calibration.draft_b) == (0.0, 0.0)
+
+
+def test_a_round_with_room_but_no_proposal_counts_as_a_rejected_draft(tiny_tokenizer):
+    """An n-gram lookup that finds no match proposes nothing: the round brought no token, and the sequence's estimate
+    falls as after a rejection (else a free-text request that rarely matches keeps the prior's 0.8, and the step's
+    plan counts on drafts it never makes); a match keeps the estimate to its proposals' fate."""
+    engine = loop_engine(tiny_tokenizer, None, kv_blocks=64)
+    speculate(engine, NgramDrafter(), 4, adaptive=True)
+    loop = engine.loop.speculation
+    unmatched, matched = fake_request(0, list(range(5, 17)), 8), fake_request(1, [7, 8, 9] * 4, 8)
+    for request in (unmatched, matched):
+        engine.blocks.ensure_room(request.kv, request.num_tokens)
+        request.kv.num_computed = request.num_tokens - 1
+    batch = ScheduledBatch(decodes=[unmatched, matched], lookahead=[3, 3])
+    drafts = loop.propose(batch, [unmatched, matched])
+    assert unmatched not in drafts and drafts[matched] == [7, 8, 9]
+    assert loop.acceptances[unmatched].acceptance == pytest.approx(PRIOR * (1 - WEIGHT))
+    assert matched not in loop.acceptances or loop.acceptances[matched].acceptance == PRIOR

@@ -96,6 +96,9 @@ class LoopSpeculation:
         for request, _ in wants:
             if request not in self.proposals:  # nothing proposed: the room reserved for drafts goes back
                 self.blocks.trim(request.kv, request.num_tokens)
+                # and the round brought nothing, as a rejected draft would: an n-gram lookup that rarely matches (a
+                # free-text request) has its estimate fall, where only its rare proposals' fate kept it at the prior
+                self.acceptances.setdefault(request, Acceptance()).observe(1, 0)
         plain = len(batch.decodes) - len(self.proposals)  # one target call and one token each
         self.speculation.totals.add(SpecStats(plain, self.drafts.calls - calls, 0, 0, plain))
         return {r: p.tokens for r, p in self.proposals.items()}
