@@ -125,16 +125,17 @@ def test_a_step_curve_follows_the_timed_row_counts_and_the_fitted_slope_past_the
     staircase a line misses (the step of 16 rows costs 12 ms more than 8, that of 9 as much)."""
     timed = {8: 0.0275, 9: 0.0365, 16: 0.0393, 24: 0.052}
     step = steps_of(list(timed), lambda rows: timed[rows])
-    seconds = step.curve((0.016, 0.001))
+    seconds = step.curve(step.fit((0.016, 0.001)))
     assert [seconds(r) for r in timed] == [pytest.approx(t) for t in timed.values()]
     assert seconds(20) == pytest.approx((0.0393 + 0.052) / 2)  # between timed counts: on the line between them
     _, b = step.fit()
     assert seconds(40) == pytest.approx(0.052 + 16 * b) and seconds(4) == pytest.approx(0.0275 - 4 * b)
-    untimed = StepCost().curve((0.016, 0.001))  # nothing timed: the prior's line
+    untimed = StepCost()
+    untimed = untimed.curve(untimed.fit((0.016, 0.001)))  # nothing timed: the prior's line
     assert untimed(8) == pytest.approx(0.024)
     busier = StepCost()
     busier.observe(8, 0.048)  # timed once, on a busier machine: the prior's line at its level
-    assert busier.curve((0.016, 0.001))(16) == pytest.approx(2 * 0.032)
+    assert busier.curve(busier.fit((0.016, 0.001)))(16) == pytest.approx(2 * 0.032)
 
 
 def brute_force_plan(acceptances, max_k, target, draft, first_rows=None):
@@ -197,9 +198,9 @@ def test_k_given_measured_costs(target, decodes, expected):
     cost."""
     step = steps_of([1, 7, 8, 56, 16, 24], lambda rows: target[0] + target[1] * rows)
     draft = steps_of([1, 4, 8], lambda rows: 0.004 + 0.0004 * rows)
-    prior = (1.0, 0.0)  # no load-time timing: the loop's own timings alone
-    k = plan_k([0.88] * decodes, 6, step.curve(prior), draft.curve(prior))
-    assert k == expected == brute_force_plan([0.88] * decodes, 6, step.curve(prior), draft.curve(prior))
+    target, drafting = step.curve(step.fit()), draft.curve(draft.fit())  # the loop's own timings alone
+    k = plan_k([0.88] * decodes, 6, target, drafting)
+    assert k == expected == brute_force_plan([0.88] * decodes, 6, target, drafting)
 
 
 def test_a_calibrated_draft_token_costs_its_draft_step_and_its_verified_row():

@@ -130,16 +130,17 @@ class StepCost:
             fastest[rows] = min(seconds, fastest.get(rows, math.inf))
         return fastest
 
-    def timed(self) -> dict[int, float]:
-        """Each row count timed at least MIN_SAMPLES times -> its fastest step."""
+    def timed(self, fastest: dict[int, float]) -> dict[int, float]:
+        """Each row count timed at least MIN_SAMPLES times -> its fastest step (of `fastest`)."""
         counts = Counter(rows for rows, _ in self.steps)
-        return {rows: seconds for rows, seconds in self.fastest().items() if counts[rows] >= MIN_SAMPLES}
+        return {rows: seconds for rows, seconds in fastest.items() if counts[rows] >= MIN_SAMPLES}
 
     def fit(self, prior: tuple[float, float] | None = None) -> tuple[float, float] | None:
         """(a, b): seconds per step and per row, both >= 0; `prior` before any step (None without one)."""
         if not self.steps:
             return prior
-        fastest, seen = self.fastest(), self.timed()
+        fastest = self.fastest()
+        seen = self.timed(fastest)
         if len(seen) < 2 or max(seen) - min(seen) < MIN_SPREAD:
             a, b = prior if prior is not None and sum(prior) > 0 else (1.0, 0.0)
             scale = min(seconds / (a + b * rows) for rows, seconds in fastest.items())
@@ -150,13 +151,13 @@ class StepCost:
         b = min(max(0.0, slope), mean_t / mean_r)
         return mean_t - b * mean_r, b
 
-    def curve(self, prior: tuple[float, float]) -> Callable[[int], float]:
+    def curve(self, line: tuple[float, float]) -> Callable[[int], float]:
         """Seconds of a step of `rows` rows: between two row counts timed MIN_SAMPLES times, on the line between their
-        fastest steps, and past them on the fitted slope from the nearest one (a kernel that switches paths past some
-        row count makes a staircase, not a line: fp32 SmolLM2 steps of 8, 9 and 16 rows took 27.5, 36.5 and 39.3 ms);
-        the fitted line (`prior`'s, scaled, until it is fitted) where none is."""
-        a, b = self.fit(prior) or prior
-        knots = sorted(self.timed().items())
+        fastest steps, and past them on the slope of `line` (this cost's fit) from the nearest one (a kernel that
+        switches paths past some row count makes a staircase, not a line: fp32 SmolLM2 steps of 8, 9 and 16 rows took
+        27.5, 36.5 and 39.3 ms); `line` itself where none is."""
+        a, b = line
+        knots = sorted(self.timed(self.fastest()).items())
 
         def seconds(rows: int) -> float:
             if not knots:

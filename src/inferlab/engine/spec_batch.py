@@ -78,10 +78,10 @@ class LoopSpeculation:
         prior = self.speculation.drafter.calibration
         if prior is None:
             prior = Calibration(1.0, 0.0, self.speculation.drafter.step_cost(self.target), 0.0)
-        target = self.step_cost.curve((prior.a, prior.b))
         a, b = self.step_cost.fit((prior.a, prior.b)) or (prior.a, prior.b)
         scale = (a + b) / (prior.a + prior.b)  # the machine now against at load
-        return target, self.draft_cost.curve((prior.draft_a * scale, prior.draft_b * scale))
+        draft_prior = (prior.draft_a * scale, prior.draft_b * scale)
+        return self.step_cost.curve((a, b)), self.draft_cost.curve(self.draft_cost.fit(draft_prior) or draft_prior)
 
     def propose(self, batch: ScheduledBatch, running: Collection[Request]) -> dict[Request, list[int]]:
         """The drafts of each decode of `batch` given room for them, for this step's forward; decodes missing from
