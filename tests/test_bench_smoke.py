@@ -105,7 +105,10 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
         "study.prefill_tokens=[32]",
     )
     inferlab = [row for row in result["rows"] if row["engine"] == "inferlab"]
-    expected = supported_isas()[::-1] if cpu_gemv_available() else ["cpu"]  # the job's own (auto: the widest) first
+    expected = ["cpu"]
+    if cpu_gemv_available():  # the job's own build (auto: the widest) first, then the study's others this CPU runs
+        widest = supported_isas()[-1]
+        expected = [widest, *(i for i in result["config"]["study"]["isas"] if i in supported_isas() and i != widest)]
     assert [row["isa"] for row in inferlab] == expected
     rows = {row["engine"]: row for row in result["rows"]}
     assert set(rows) == {"inferlab", "transformers", "llama.cpp"}

@@ -29,6 +29,18 @@ def test_auto_takes_the_widest_set_the_cpu_runs(monkeypatch):
     assert supported_isas() == [] and resolve_isa("auto") is None  # no kernels: the portable path
 
 
+@pytest.mark.parametrize("granted", [True, False])
+def test_the_amx_build_runs_where_the_cpu_has_tiles_and_linux_grants_them(monkeypatch, granted):
+    monkeypatch.setattr(isa_module, "cpu_flags", lambda: AVX512 | {"amx_tile", "amx_bf16"})
+    monkeypatch.setattr(isa_module, "amx_bf16_usable", lambda: granted)
+    if granted:
+        assert supported_isas() == ["avx2", "avx512", "amx"] and resolve_isa("auto").name == "amx"
+        return
+    assert supported_isas() == ["avx2", "avx512"] and resolve_isa("auto").name == "avx512"
+    with pytest.raises(InvalidRequestError, match=r"device.isa=amx: Linux does not let this process use AMX tiles"):
+        resolve_isa("amx")
+
+
 def test_a_set_the_cpu_lacks_or_no_such_set_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(isa_module, "cpu_flags", lambda: AVX2_ONLY)
     with pytest.raises(
@@ -37,7 +49,9 @@ def test_a_set_the_cpu_lacks_or_no_such_set_is_one_clear_error(monkeypatch):
         r"avx512bw, avx512f, avx512vl \(it runs: avx2\)",
     ):
         resolve_isa("avx512")
-    with pytest.raises(InvalidRequestError, match=r"device.isa='avx1024'; use one of \['auto', 'avx2', 'avx512'\]"):
+    with pytest.raises(
+        InvalidRequestError, match=r"device.isa='avx1024'; use one of \['auto', 'avx2', 'avx512', 'amx'\]"
+    ):
         resolve_isa("avx1024")
 
 

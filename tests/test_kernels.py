@@ -235,6 +235,30 @@ def test_a_rows_product_does_not_depend_on_the_other_rows_of_the_call(isa, weigh
 
 
 @needs_gemv
+@pytest.mark.parametrize(("n", "k"), [(208, 1056), (96, 32), (48, 8192)])
+def test_bf16_weights_on_tiles_are_the_bf16_activations_product_and_batch_invariant(isa, n, k):
+    """The amx build multiplies bf16 weights on AMX tiles (csrc/amx.h) with the activations rounded to bf16: each
+    row is that product summed in fp32 (within fp32 rounding of the exact sum), alone or among 1 to 40 and 70 rows
+    (activation rows in tiles of 16: 1, 2, 3 and 5 tiles, whole and partial), with bias and scales; N a multiple
+    of 16 (odd and even counts of 16-row blocks), K of 32."""
+    if isa != "amx":
+        pytest.skip("the tiles run on the amx build only")
+    torch.manual_seed(n)
+    weight = (torch.randn(n, k) / k**0.5).bfloat16()
+    bias = torch.randn(n)
+    x = torch.randn(70, k) * torch.rand(70, 1) * 4
+    alone = torch.cat([gemv(x[m : m + 1], weight, None, bias, None, False) for m in range(70)])
+    exact = x.bfloat16().double() @ weight.double().T
+    magnitude = x.bfloat16().double().abs() @ weight.double().abs().T
+    assert ((alone.double() - bias.double() - exact).abs() <= 1e-6 * magnitude + 1e-6).all()
+    for rows in [*range(1, 41), 70]:
+        assert torch.equal(gemv(x[:rows], weight, None, bias, None, False), alone[:rows]), rows
+    # bf16 activations (the Python model's bf16 layers) are the same products, rounded to bf16 on the way out
+    plain = gemv(x[:5], weight, None, None, None, False)
+    assert torch.equal(gemv(x[:5].bfloat16(), weight, None, None, None, False), plain.bfloat16())
+
+
+@needs_gemv
 def test_gemv_leaves_its_input_alone_and_refuses_what_it_does_not_cover(isa):
     x = torch.randn(1, 64)
     before = x.clone()

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from inferlab.kernels.attention import DECODE_ATTENTION_MAX_HEAD_DIM
 from inferlab.kernels.build import active_isa, fast_kernels_apply, kernel_classes
-from inferlab.kernels.gemv import BF16_KERNEL_MAX_ROWS, GEMV_K_STEP, GEMV_MAX_K, GemvLinear
+from inferlab.kernels.gemv import BF16_KERNEL_MAX_ROWS, BF16_TILES_MAX_ROWS, GEMV_K_STEP, GEMV_MAX_K, GemvLinear
 from inferlab.kernels.isa import amx_bf16_usable
 from inferlab.kernels.layer import DenseCopyLayer, KernelLayer
 from inferlab.model.transformer import Transformer, rope_tables
@@ -37,11 +37,12 @@ def projection_parts(linear: nn.Module) -> list[Tensor] | None:
     return weights.parts()
 
 
-def many_rows_limit(model: Transformer) -> int:
+def many_rows_limit(model: Transformer, isa: str) -> int:
     """FUSED_MAX_ROWS, or the fewest rows up to which a layer holding a dense copy for many rows still takes the
     kernel (layer.DenseCopyLayer's kernel_max_rows: int8 GEMV_MAX_ROWS, int4 INT4_KERNEL_MAX_ROWS; oneDNN's bf16
     GEMM over the copies is faster beyond; the LM head runs on a step's logit rows only, a few), and for bf16 layers
-    on AMX CPUs BF16_KERNEL_MAX_ROWS (the Python model's F.linear runs oneDNN's GEMM on the tiles). int4 layers hold
+    on AMX CPUs BF16_KERNEL_MAX_ROWS (the Python model's F.linear runs oneDNN's GEMM on the tiles), or on the `isa`
+    build that multiplies bf16 on the tiles itself (amx) BF16_TILES_MAX_ROWS. int4 layers hold
     copies only on AMX CPUs; elsewhere every int4 step runs fused. Measured on SmolLM2 (AVX-512 without AMX, one
     thread), int4 fused against the Python model over dense bf16 copies: 16 rows 25-34 vs 56-64 ms, 32 rows 56-84 vs 92 ms, 64 rows 98-134 vs
     117-128 ms; batch-1 prompts of 128 tokens 450-570 vs 500-510 tok/s, of 512 420-430 vs 480-530 (oneDNN's
@@ -53,8 +54,8 @@ def many_rows_limit(model: Transformer) -> int:
         m.kernel_max_rows for m in model.layers.modules() if isinstance(m, DenseCopyLayer) and m.dense is not None
     ]
     bf16 = any(isinstance(m, GemvLinear) and m.weight.dtype == torch.bfloat16 for m in model.layers.modules())
-    if bf16 and amx_bf16_usable():  # oneDNN's bf16 GEMM on AMX tiles outruns the kernel beyond BF16_KERNEL_MAX_ROWS
-        limits.append(BF16_KERNEL_MAX_ROWS)
+    if bf16 and amx_bf16_usable():  # oneDNN's bf16 GEMM on AMX tiles outruns the kernel beyond these rows
+        limits.append(BF16_TILES_MAX_ROWS if isa == "amx" else BF16_KERNEL_MAX_ROWS)
     return min(limits, default=FUSED_MAX_ROWS)
 
 
@@ -108,7 +109,8 @@ class FusedDecode:
         )
         for block, (wqkv, wo, w13, w2) in zip(model.layers, layers):
             plan.add_layer(block.attention_norm.weight.detach(), wqkv, wo, block.ffn_norm.weight.detach(), w13, w2)
-        return cls(model, plan, active_isa().name, many_rows_limit(model))
+        isa = active_isa().name
+        return cls(model, plan, isa, many_rows_limit(model, isa))
 
     def covers(self, n_rows: int) -> bool:
         return 1 <= n_rows <= self.max_rows

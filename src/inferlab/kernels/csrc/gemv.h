@@ -8,7 +8,8 @@
 // int8 rows stream ~2x faster with them). Many activation rows make it a GEMM: each thread goes over
 // tiles of its weight rows small enough to stay in L2 and, per tile, over all activation rows a few at
 // a time, so a weight row comes from memory once and from cache for every further chunk of rows.
-// fp32 weights are fused-multiply-added, bf16 weights too once widened to fp32 (a shift or a mask);
+// fp32 weights are fused-multiply-added, bf16 weights too once widened to fp32 (a shift or a mask; the amx
+// build multiplies them on AMX tiles instead: amx.h);
 // int8 and int4 weights meet int16 activation codes in exact integer multiply-adds (one instruction per
 // 2 * kLanes weights), int4 with a float scale and min per group as GGUF's Q4_1 defines them, its weight rows
 // in vector lanes (Int4Format). Every (weight row, activation row) product is summed in the same
@@ -27,6 +28,7 @@
 #include <numeric>
 #include <optional>
 
+#include "amx.h"
 #include "simd.h"
 
 namespace inferlab {
@@ -780,6 +782,12 @@ struct Projection {
         run_rows(DenseFormat<Fp32Step>(weight.data_ptr<float>(), K, x, M), M, scales.data(), bias.data(), y, N, row_bytes);
         break;
       case at::kBFloat16:
+#ifdef INFERLAB_AMX
+        if (Bf16Tiles::covers(N, K)) {
+          Bf16Tiles(weight.data_ptr<at::BFloat16>(), N, K, x, M)(scales.data(), bias.data(), y);
+          break;
+        }
+#endif
         run_rows(DenseFormat<Bf16Step>(weight.data_ptr<at::BFloat16>(), K, x, M), M, scales.data(), bias.data(), y, N,
                  row_bytes);
         break;

@@ -1,9 +1,9 @@
 // The SIMD layer the CPU decode kernels share, for the instruction set this build targets.
 //
-// kernels/build.py compiles the same sources once per instruction set: AVX2 + FMA (8 fp32 lanes), and
-// with INFERLAB_AVX512 defined, AVX-512 F/BW/VL + VNNI + BF16 (16 lanes). Each build puts its symbols in
-// an inline namespace of its own and its ops in a library of its own (INFERLAB_OPS, e.g. inferlab_avx512),
-// so both load into one process. The kernels are written once against Lanes<N>: the fp32 vector of N
+// kernels/build.py compiles the same sources once per instruction set: AVX2 + FMA (8 fp32 lanes); with
+// INFERLAB_AVX512 defined, AVX-512 F/BW/VL + VNNI + BF16 (16 lanes); with INFERLAB_AMX as well, that and AMX's
+// bf16 tiles for bf16 weights (amx.h). Each build puts its symbols in an inline namespace of its own and its
+// ops in a library of its own (INFERLAB_OPS, e.g. inferlab_avx512), so all of them load into one process. The kernels are written once against Lanes<N>: the fp32 vector of N
 // lanes and the operations on it, where N is kLanes (the widest) or 8 (attention, where 8 divides head_dim
 // and kLanes does not).
 #pragma once
@@ -14,7 +14,9 @@
 
 #include <vector>
 
-#ifdef INFERLAB_AVX512
+#if defined(INFERLAB_AMX)
+#define INFERLAB_ISA amx
+#elif defined(INFERLAB_AVX512)
 #define INFERLAB_ISA avx512
 #else
 #define INFERLAB_ISA avx2
