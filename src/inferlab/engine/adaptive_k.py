@@ -119,28 +119,30 @@ class StepCost:
     one, b = 0) scaled to the fastest step seen."""
 
     steps: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    _points: tuple[dict[int, float], dict[int, float]] | None = field(default=None, init=False, repr=False)
 
     def observe(self, rows: int, seconds: float) -> None:
         self.steps.append((rows, seconds))
+        self._points = None
 
-    def fastest(self) -> dict[int, float]:
-        """Each row count timed -> its fastest step."""
-        fastest: dict[int, float] = {}
-        for rows, seconds in self.steps:
-            fastest[rows] = min(seconds, fastest.get(rows, math.inf))
-        return fastest
-
-    def timed(self, fastest: dict[int, float]) -> dict[int, float]:
-        """Each row count timed at least MIN_SAMPLES times -> its fastest step (of `fastest`)."""
-        counts = Counter(rows for rows, _ in self.steps)
-        return {rows: seconds for rows, seconds in fastest.items() if counts[rows] >= MIN_SAMPLES}
+    def points(self) -> tuple[dict[int, float], dict[int, float]]:
+        """(each row count timed -> its fastest step, those timed at least MIN_SAMPLES times -> theirs), kept until
+        the next step is observed: the engine loop reads them several times a step (fit, curve; the draft steps' when
+        no decode drafted for many steps), ~10 us each time on the loop's thread."""
+        if self._points is None:
+            fastest: dict[int, float] = {}
+            counts: Counter[int] = Counter()
+            for rows, seconds in self.steps:
+                fastest[rows] = min(seconds, fastest.get(rows, math.inf))
+                counts[rows] += 1
+            self._points = fastest, {rows: s for rows, s in fastest.items() if counts[rows] >= MIN_SAMPLES}
+        return self._points
 
     def fit(self, prior: tuple[float, float] | None = None) -> tuple[float, float] | None:
         """(a, b): seconds per step and per row, both >= 0; `prior` before any step (None without one)."""
         if not self.steps:
             return prior
-        fastest = self.fastest()
-        seen = self.timed(fastest)
+        fastest, seen = self.points()
         if len(seen) < 2 or max(seen) - min(seen) < MIN_SPREAD:
             a, b = prior if prior is not None and sum(prior) > 0 else (1.0, 0.0)
             scale = min(seconds / (a + b * rows) for rows, seconds in fastest.items())
@@ -157,7 +159,7 @@ class StepCost:
         switches paths past some row count makes a staircase, not a line: fp32 SmolLM2 steps of 8, 9 and 16 rows took
         27.5, 36.5 and 39.3 ms); `line` itself where none is."""
         a, b = line
-        knots = sorted(self.timed(self.fastest()).items())
+        knots = sorted(self.points()[1].items())
 
         def seconds(rows: int) -> float:
             if not knots:
