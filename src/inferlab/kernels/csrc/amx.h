@@ -22,12 +22,11 @@
 
 #ifdef INFERLAB_AMX
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 
 namespace inferlab {
@@ -36,8 +35,6 @@ inline namespace INFERLAB_ISA {
 struct Bf16Tiles {
   static constexpr int64_t kBlock = 16;       // weight rows per A tile; activation rows per B tile at most
   static constexpr int64_t kDepth = 32;       // columns per tile instruction (an A tile row: 32 bf16, 64 bytes)
-  static constexpr int64_t kGrainBlocks = 4;  // blocks per thread at least (gemv.h's kGrain rows)
-  static constexpr int64_t kTileBytes = 64 * 1024;  // weights per pass over more than 32 activation rows: in L2
 
   static bool covers(int64_t N, int64_t K) { return N % kBlock == 0 && K % kDepth == 0; }
 
@@ -49,14 +46,12 @@ struct Bf16Tiles {
   Bf16Tiles(const at::BFloat16* weights, int64_t N_, int64_t K_, const float* xf, int64_t M_)
       : w(weights), N(N_), K(K_), M(M_), stride(M_ <= kBlock ? M_ : (M_ + kBlock - 1) / kBlock * kBlock),
         x(K_ / 2 * stride) {
-    at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) {
-        for (int64_t k = 0; k < K; k += 16) {  // 16 values to bf16 (round to nearest even): 8 pairs
-          alignas(32) uint32_t pairs[8];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pairs),
-                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + m * K + k))));
-          for (int p = 0; p < 8; ++p) x[(k / 2 + p) * stride + m] = pairs[p];
-        }
+    for_each_row(M, [&](int64_t m) {
+      for (int64_t k = 0; k < K; k += 16) {  // 16 values to bf16 (round to nearest even): 8 pairs
+        alignas(32) uint32_t pairs[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs),
+                           reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + m * K + k))));
+        for (int p = 0; p < 8; ++p) x[(k / 2 + p) * stride + m] = pairs[p];
       }
     });
   }
@@ -64,7 +59,7 @@ struct Bf16Tiles {
   // y (M, N) = the products * scales + bias (each when given), weight blocks split across torch's threads
   template <typename Y>
   void operator()(const float* scales, const float* bias, Y* y) const {
-    at::parallel_for(0, N / kBlock, kGrainBlocks, [&](int64_t begin, int64_t end) { blocks(begin, end, scales, bias, y); });
+    at::parallel_for(0, N / kBlock, kGrain / kBlock, [&](int64_t begin, int64_t end) { blocks(begin, end, scales, bias, y); });
   }
 
  private:

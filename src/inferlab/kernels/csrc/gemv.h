@@ -29,14 +29,13 @@
 #include <optional>
 
 #include "amx.h"
+#include "parallel.h"
 #include "simd.h"
 
 namespace inferlab {
 inline namespace INFERLAB_ISA {
 
 constexpr int64_t kDecodeRows = 8;    // up to this many activation rows a call is memory-bound (a decode batch)
-constexpr int64_t kTileBytes = 64 * 1024;  // weight rows a thread multiplies into every activation row before the next ones
-constexpr int64_t kGrain = 64;        // weight rows per thread at least
 constexpr int64_t kStep = 16;         // K must be a multiple of it; a format's step reads this many weights or twice as many
 constexpr int64_t kMaxK = 8192;
 constexpr float kInt16Max = 16383;    // activation codes for integer weights: 2 * 127 * 16383 * (K / 16) fits int32
@@ -53,17 +52,6 @@ constexpr int64_t kL1PrefetchBytes = 4 * 1024;  // int4 tiles: the lines request
 
 inline void prefetch_lines(const void* p, int64_t bytes) {  // every 64-byte line of [p, p + bytes)
   for (int64_t b = 0; b < bytes; b += 64) prefetch_l2(static_cast<const char*>(p) + b);
-}
-
-// f(m) for each activation row m < M, rows split across torch's threads from 2 * kRowGrain rows on: the work
-// around the products (norms, SwiGLU, activation codes) is per row, and a prompt chunk's rows are many (serial,
-// preparing 16 rows of SmolLM2's w2 took ~50 us beside a 200 us product on two threads)
-constexpr int64_t kRowGrain = 4;
-template <typename F>
-void for_each_row(int64_t M, const F& f) {
-  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) f(m);
-  });
 }
 
 // Activations as the integer formats read them: x / max|x| * kInt16Max, rounded (to nearest even, as
