@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_engine, tiny_model
 
-from inferlab.kernels.gemv import INT4_KERNEL_MAX_ROWS
+from inferlab.kernels.gemv import INT4_KERNEL_MAX_ROWS, int8_kernel_max_rows
 from inferlab.kernels.select import keep_dense_copies
 from inferlab.quant import quantize_model
 from inferlab.quant.int4 import Int4GroupLinear
@@ -19,7 +19,8 @@ def test_many_rows_through_the_dense_copy_equal_the_dequantize_reference():
     model = tiny_model(0).to(torch.bfloat16)
     quantize_model(model, "int8")
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    x = [torch.randn(3, 12, m.in_features, dtype=torch.bfloat16) for m in layers]  # 36 rows: beyond the gemv
+    rows_beyond = int8_kernel_max_rows() + 4  # beyond the kernel: the copy's
+    x = [torch.randn(1, rows_beyond, m.in_features, dtype=torch.bfloat16) for m in layers]
     reference = []
     for layer, rows in zip(layers, x):
         reference.append(torch.nn.functional.linear(rows, layer.dequantize().to(rows.dtype), layer.bias))

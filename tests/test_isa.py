@@ -31,7 +31,7 @@ def test_auto_takes_the_widest_set_the_cpu_runs(monkeypatch):
 
 @pytest.mark.parametrize("granted", [True, False])
 def test_the_amx_build_runs_where_the_cpu_has_tiles_and_linux_grants_them(monkeypatch, granted):
-    monkeypatch.setattr(isa_module, "cpu_flags", lambda: AVX512 | {"amx_tile", "amx_bf16"})
+    monkeypatch.setattr(isa_module, "cpu_flags", lambda: AVX512 | {"amx_tile", "amx_bf16", "amx_int8"})
     monkeypatch.setattr(isa_module, "amx_bf16_usable", lambda: granted)
     if granted:
         assert supported_isas() == ["avx2", "avx512", "amx"] and resolve_isa("auto").name == "amx"

@@ -127,6 +127,28 @@ def test_int4_gemv_is_the_int16_code_product_to_float_rounding(isa, rows, n, k, 
     assert ((y.double() - exact).abs() <= bound).all()
 
 
+@needs_gemv
+@pytest.mark.parametrize(("n", "k"), [(208, 1024), (96, 64), (48, 8192), (203, 1040)])
+def test_int8_gemv_is_the_int16_code_product_rounded_once(isa, n, k):
+    """The int8 kernel's result is, to the bit: x's int16 codes per row (x / (max|x| / 16383) in fp32, rounded to
+    nearest even) dotted with the codes exactly, that integer rounded to fp32 once, times the row's scale, times the
+    weight row's scale, plus the bias. So every path gives the same floats: one activation row on the vector
+    kernel, and on the amx build 6 or more on AMX tiles (csrc/amx.h: Int8Tiles; N a multiple of 16 and K of 64,
+    here 208 x 1024, 96 x 64 and 48 x 8192; 203 x 1040 stays on the vector kernel), alone or among 1 to 40 and 70
+    rows (tiles of 16 activation rows, whole and partial)."""
+    torch.manual_seed(k)
+    weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scales, bias = torch.rand(n) / 100, torch.randn(n)
+    x = torch.randn(70, k) * torch.rand(70, 1) * 4
+    x_scale = x.abs().amax(-1, keepdim=True) / 16383
+    dots = torch.round(x / x_scale).long() @ weight.long().T  # exact
+    expected = dots.float() * x_scale * scales + bias
+    alone = torch.cat([gemv(x[m : m + 1], weight, scales, bias, None, False) for m in range(70)])
+    assert torch.equal(alone, expected)
+    for rows in [*range(1, 41), 70]:
+        assert torch.equal(gemv(x[:rows], weight, scales, bias, None, False), expected[:rows]), rows
+
+
 def int4_int8_block_code_product(x, codes, scales, mins, bias, group_size):
     """What the int4 kernel computes with int8 activation codes, exactly: x's int8 codes per block of 32 columns
     (x * (127 / max|x| of the block), fp32, rounded to nearest even; a code is worth max|x| / 127), their integer

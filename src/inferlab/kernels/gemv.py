@@ -4,9 +4,10 @@ read from memory once per call, with the RMSNorm or SwiGLU before the product fu
 The kernel takes any number of rows. On dense fp32/bf16 weights `F.linear` (oneDNN) wins beyond
 GEMV_MAX_ROWS rows (measured on the whole model's layers, AVX-512, one thread: bf16 at 16 rows 228 vs 260
 tok/s, at 256 rows 291 vs 541), so the Python model's plain layers keep it there; quantized layers take
-the kernel at any number of rows unless they hold a dense copy: int8 beyond GEMV_MAX_ROWS (int8 at 256 rows: 400
-tok/s against `_weight_int8pack_mm`'s 205), int4 beyond INT4_KERNEL_MAX_ROWS and only on AMX CPUs (elsewhere its
-many-row kernel outruns oneDNN's bf16 GEMM over a copy: fused_decode.py).
+the kernel at any number of rows unless they hold a dense copy: int8 beyond GEMV_MAX_ROWS, on the amx build
+beyond INT8_TILES_MAX_ROWS (int8 at 256 rows: 400 tok/s against `_weight_int8pack_mm`'s 205), int4 beyond
+INT4_KERNEL_MAX_ROWS and only on AMX CPUs (elsewhere its many-row kernel outruns oneDNN's bf16 GEMM over a copy:
+fused_decode.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferlab.kernels.build import cpu_gemv_available, kernel_ops
+from inferlab.kernels.build import active_isa, cpu_gemv_available, kernel_ops
 from inferlab.kernels.layer import DenseCopyLayer, KernelWeights
 from inferlab.model.transformer import RMSNorm, swiglu
 
@@ -31,6 +32,11 @@ BF16_KERNEL_MAX_ROWS = 32
 # the same on the amx build, whose bf16 products run on the tiles too (csrc/amx.h). SmolLM2 bf16 prompt chunk on the AMX
 # Xeon, fused vs the Python model, ms: 32 tokens 20.4 vs 36.3, 64 34.8 vs 43.9, 96 48.4 vs 52.4, 128 65.1 vs 60.3
 BF16_TILES_MAX_ROWS = 96
+# rows up to which an int8 layer that holds a dense copy takes the kernel on the amx build, whose int8 products of 2 or
+# more rows run on the tiles (csrc/amx.h: Int8Tiles; elsewhere GEMV_MAX_ROWS). SmolLM2 int8 prompt chunk on the AMX
+# Xeon, fused vs the Python model over bf16 copies, ms: 16 tokens 10.9 vs 30.8, 64 21.8 vs 41.0, 128 43.0 vs 55.8,
+# 192 63.3 vs 68.6, 256 89.2 vs 83.6
+INT8_TILES_MAX_ROWS = 192
 GEMV_K_STEP, GEMV_MAX_K = 16, 8192  # kStep and the K limit in csrc/gemv.h
 FLOAT_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -46,6 +52,12 @@ def gemv_fits(x: Tensor, width: int, max_rows: int | None = GEMV_MAX_ROWS) -> bo
         and x.dtype in (torch.float32, torch.bfloat16)
         and cpu_gemv_available()
     )
+
+
+def int8_kernel_max_rows() -> int:
+    """Rows up to which an int8 layer holding a dense copy still takes the kernel, on the build this process runs."""
+    isa = active_isa()
+    return INT8_TILES_MAX_ROWS if isa is not None and isa.tiles else GEMV_MAX_ROWS
 
 
 def quantized_max_rows(layer: DenseCopyLayer) -> int | None:

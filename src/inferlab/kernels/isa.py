@@ -52,9 +52,9 @@ ISAS = {  # from the narrowest up: "auto" takes the last one the CPU has
     "avx512": Isa("avx512", AVX512_FLAGS, AVX512_CFLAGS, "AVX-512 F/BW/VL + VNNI + BF16"),
     "amx": Isa(
         "amx",
-        (*AVX512_FLAGS, "amx_tile", "amx_bf16"),
-        (*AVX512_CFLAGS, "-mamx-tile", "-mamx-bf16", "-DINFERLAB_AMX"),
-        "AVX-512 F/BW/VL + VNNI + BF16, AMX bf16 tiles",
+        (*AVX512_FLAGS, "amx_tile", "amx_bf16", "amx_int8"),
+        (*AVX512_CFLAGS, "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-DINFERLAB_AMX"),
+        "AVX-512 F/BW/VL + VNNI + BF16, AMX bf16 and int8 tiles",
         tiles=True,
     ),
 }

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferlab.kernels.aten import int8_kernel_fits, int8_mm
-from inferlab.kernels.gemv import GEMV_MAX_ROWS, gemv, gemv_fits, prepared_input, quantized_max_rows
+from inferlab.kernels.gemv import gemv, gemv_fits, int8_kernel_max_rows, prepared_input, quantized_max_rows
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
 
@@ -52,7 +52,10 @@ class Int8Linear(nn.Module):
         return KernelWeights("int8", self.weight, self.scales, bias=self.bias) if self.use_kernel else None
 
     fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_glu
-    kernel_max_rows = GEMV_MAX_ROWS  # kernels/layer.py's DenseCopyLayer
+
+    @property
+    def kernel_max_rows(self) -> int:  # kernels/layer.py's DenseCopyLayer
+        return int8_kernel_max_rows()
 
     def dense_copy_pays(self, dtype: torch.dtype) -> bool:
         return True

@@ -1,5 +1,7 @@
-// bf16 weights on AMX tiles (the amx build: INFERLAB_AMX): y = x @ W.T with the activations rounded to bf16,
-// each product exact and summed in fp32 by the tiles' bf16 dot instruction (TDPBF16PS).
+// Products on AMX tiles (the amx build: INFERLAB_AMX): bf16 weights (Bf16Tiles) and int8 weights (Int8Tiles).
+//
+// bf16: y = x @ W.T with the activations rounded to bf16, each product exact and summed in fp32 by the tiles' bf16
+// dot instruction (TDPBF16PS).
 //
 // The widened-bf16 multiply-adds of gemv.h's Bf16Step keep a step of 2-32 rows bound by the multiply-adds. SmolLM2's
 // whole bf16 decode step (fused, 150-token contexts, 2 threads, AMX Xeon), AVX-512 build vs this one, ms: 1 row 8.5
@@ -31,6 +33,18 @@
 
 namespace inferlab {
 inline namespace INFERLAB_ISA {
+
+// A tile configuration (palette 1): tile t holds rows[t] rows of colsb[t] bytes; load() makes it this thread's
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  void shape(int tile, int64_t n_rows, int64_t bytes) {
+    rows[tile] = static_cast<uint8_t>(n_rows);
+    colsb[tile] = static_cast<uint16_t>(bytes);
+  }
+  void load() const { _tile_loadconfig(this); }
+};
 
 struct Bf16Tiles {
   static constexpr int64_t kBlock = 16;       // weight rows per A tile; activation rows per B tile at most
@@ -64,23 +78,17 @@ struct Bf16Tiles {
 
  private:
   // The tiles: B 0 and 1 (activation rows m0.. and m0 + 16..), A 2 and 3 (two weight blocks), C 4 + 2 * block + group
-  struct alignas(64) Config {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  };
-
   static void configure(int64_t cols0, int64_t cols1) {  // activation rows in B tiles 0 and 1 (0: unused)
-    Config c;
+    TileConfig c;
     const int64_t cols[2] = {cols0, cols1};
     for (int g = 0; g < 2; ++g) {
-      const uint8_t rows = cols[g] ? kBlock : 0;
-      c.rows[g] = rows, c.colsb[g] = cols[g] * 4;  // B: 16 rows of column pairs
-      c.rows[4 + g] = rows, c.colsb[4 + g] = cols[g] * 4;  // C of block 0
-      c.rows[6 + g] = rows, c.colsb[6 + g] = cols[g] * 4;  // C of block 1
+      const int64_t rows = cols[g] ? kBlock : 0;
+      c.shape(g, rows, cols[g] * 4);      // B: 16 rows of column pairs
+      c.shape(4 + g, rows, cols[g] * 4);  // C of block 0
+      c.shape(6 + g, rows, cols[g] * 4);  // C of block 1
     }
-    for (int a = 2; a < 4; ++a) c.rows[a] = kBlock, c.colsb[a] = kDepth * 2;
-    _tile_loadconfig(&c);
+    for (int a = 2; a < 4; ++a) c.shape(a, kBlock, kDepth * 2);
+    c.load();
   }
 
   // Weight blocks [begin, end) times every activation row, 32 of them (two B tiles) at a time; beyond 32, per
@@ -137,10 +145,12 @@ struct Bf16Tiles {
     }
     alignas(64) float c[kBlock * kBlock];  // [weight row][activation row]
     auto store = [&](int64_t block, int64_t first, int64_t cols) {
-      for (int64_t n = 0; n < kBlock; ++n) {
-        const int64_t row = block * kBlock + n;
-        const float s = scales ? scales[row] : 1.0f, add = bias ? bias[row] : 0.0f;
-        for (int64_t m = 0; m < cols; ++m) y[(first + m) * N + row] = static_cast<Y>(c[n * kBlock + m] * s + add);
+      for (int64_t m = 0; m < cols; ++m) {  // a row of y at a time (16 values, a cache line): rows of y a multiple of
+        Y* out = y + (first + m) * N + block * kBlock;  // 4 KiB apart (the LM head's) share L1's sets, 16 > its ways
+        for (int64_t n = 0; n < kBlock; ++n) {
+          const int64_t row = block * kBlock + n;
+          out[n] = static_cast<Y>(c[n * kBlock + m] * (scales ? scales[row] : 1.0f) + (bias ? bias[row] : 0.0f));
+        }
       }
     };
     _tile_stored(4, c, kBlock * 4);
@@ -157,6 +167,139 @@ struct Bf16Tiles {
         store(b + 1, m0 + kBlock, cols1);
       }
     }
+  }
+};
+
+// int8 weights (one scale per row) times the int16 activation codes gemv.h's Int8Step takes, on the tiles' byte
+// dots: a code is high * 256 + low (high signed, low unsigned), so a weight row . activation row is
+// 256 * (w . high) + (w . low), two tile dots (TDPBSSD, TDPBSUD) over the whole of K, each exact in int32. Their
+// total, exact in int64, is rounded to float once, as Int8Step::total rounds its own exact total: the same float,
+// so a row gets the same result on this path and on Int8Step's (which the calls of one row keep: batch
+// invariance). The layout is Bf16Tiles': A = 16 weight rows x 64 columns straight from the row-major weights, B =
+// the activations as quads of columns (K / 4, rows), C = 16 x up to 16 sums; two weight blocks share each B load.
+// Covers N a multiple of 16 and K of 64. A tile instruction costs ~4 ns whatever its rows (measured here), so one
+// activation row is cheaper on Int8Step (gemv.h: kInt8TilesMinRows). Results go out a row of y at a time, as
+// Bf16Tiles' do. (int4 weights stay on gemv.h's kernel: their scale per 32 columns would need a tile instruction and
+// a store of its sums per 32 columns, a half-empty instruction; tried, a step of 16 rows ran no faster.)
+struct Int8Tiles {
+  static constexpr int64_t kBlock = 16;  // weight rows per A tile; activation rows per B tile at most
+  static constexpr int64_t kDepth = 64;  // columns per tile instruction (an A tile row: 64 int8)
+
+  static bool covers(int64_t N, int64_t K) { return N % kBlock == 0 && K % kDepth == 0; }
+
+  const int8_t* w;  // (N, K)
+  int64_t N, K, M;
+  int64_t stride;                  // activation rows per row of high/low: M, or beyond 16 M rounded up to 16
+  std::vector<uint32_t> high, low;  // (K / 4, stride): activation row m's codes 4p .. 4p + 3 at [p, m], by byte
+  std::vector<float> x_scale;      // (M,)
+
+  template <typename Codes>  // codes(row, K, out int16) -> the scale that undoes them (gemv.h's int16_codes)
+  Int8Tiles(const int8_t* weights, int64_t N_, int64_t K_, const float* xf, int64_t M_, Codes codes)
+      : w(weights), N(N_), K(K_), M(M_), stride((M_ + kBlock - 1) / kBlock * kBlock),
+        high(K_ / 4 * stride), low(K_ / 4 * stride), x_scale(M_) {
+    for_each_row(M, [&](int64_t m) {
+      std::vector<int16_t> row(K);
+      x_scale[m] = codes(xf + m * K, K, row.data());
+      for (int64_t k = 0; k < K; k += 32) {  // 32 codes: their high and low bytes, 8 quads of each
+        const __m512i codes32 = _mm512_loadu_si512(row.data() + k);
+        alignas(32) uint32_t h[8], l[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(h), _mm512_cvtepi16_epi8(_mm512_srai_epi16(codes32, 8)));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(l), _mm512_cvtepi16_epi8(codes32));
+        for (int p = 0; p < 8; ++p) high[(k / 4 + p) * stride + m] = h[p], low[(k / 4 + p) * stride + m] = l[p];
+      }
+    });
+  }
+
+  // y (M, N) = the products * x_scale * scales + bias (bias when given), weight blocks split across torch's threads
+  template <typename Y>
+  void operator()(const float* scales, const float* bias, Y* y) const {
+    at::parallel_for(0, N / kBlock, kGrain / kBlock, [&](int64_t begin, int64_t end) { blocks(begin, end, scales, bias, y); });
+  }
+
+ private:
+  // The tiles: B 0 (high bytes) and 1 (low), A 2 and 3 (two weight blocks), C 4 + 2 * block + byte
+  static void configure(int64_t cols) {
+    TileConfig c;
+    for (int t : {0, 1}) c.shape(t, kDepth / 4, cols * 4);
+    for (int t : {2, 3}) c.shape(t, kBlock, kDepth);
+    for (int t : {4, 5, 6, 7}) c.shape(t, kBlock, cols * 4);
+    c.load();
+  }
+
+  // Weight blocks [begin, end) times every activation row, 16 at a time; beyond 16, per tile of blocks in L2
+  template <typename Y>
+  void blocks(int64_t begin, int64_t end, const float* scales, const float* bias, Y* y) const {
+    const int64_t tile = M <= kBlock ? end - begin : std::max<int64_t>(2, kTileBytes / (kBlock * K) / 2 * 2);
+    int64_t configured = 0;
+    for (int64_t t = begin; t < end; t += tile) {
+      const int64_t t_end = std::min(end, t + tile);
+      for (int64_t m0 = 0; m0 < M; m0 += kBlock) {
+        const int64_t cols = std::min(kBlock, M - m0);
+        if (cols != configured) configure(configured = cols);
+        for (int64_t b = t; b < t_end; b += 2) pair(b, t_end - b > 1, m0, cols, scales, bias, y);
+      }
+    }
+    _tile_release();
+  }
+
+  // Blocks b and (with `two`) b + 1 times activation rows m0 .. m0 + cols
+  template <typename Y>
+  void pair(int64_t b, bool two, int64_t m0, int64_t cols, const float* scales, const float* bias, Y* y) const {
+    const int8_t* a0 = w + b * kBlock * K;
+    const int8_t* a1 = a0 + kBlock * K;
+    const int64_t x_stride = stride * 4;  // bytes
+    _tile_zero(4);  // the tile instructions name their tiles as constants
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    const char* next = reinterpret_cast<const char*>(a0 + 2 * kBlock * K);  // as Bf16Tiles::pair's
+    constexpr int64_t kAhead = 2 * kBlock * kDepth;
+    for (int64_t k = 0; k < K; k += kDepth) {
+      for (int64_t p = 0; p < kAhead; p += 64) _mm_prefetch(next + k / kDepth * kAhead + p, _MM_HINT_T1);
+      _tile_loadd(0, high.data() + k / 4 * stride + m0, x_stride);
+      _tile_loadd(1, low.data() + k / 4 * stride + m0, x_stride);
+      _tile_loadd(2, a0 + k, K);
+      _tile_dpbssd(4, 2, 0);
+      _tile_dpbsud(5, 2, 1);
+      if (two) {
+        _tile_loadd(3, a1 + k, K);
+        _tile_dpbssd(6, 3, 0);
+        _tile_dpbsud(7, 3, 1);
+      }
+    }
+    alignas(64) int32_t c_high[kBlock * kBlock], c_low[kBlock * kBlock];  // [weight row][activation row]
+    alignas(64) float sums[kBlock * kBlock];
+    const __m512 xs = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1), x_scale.data() + m0);
+    auto store = [&](int64_t block, int high_tile) {
+      if (high_tile == 4) {
+        _tile_stored(4, c_high, kBlock * 4);
+        _tile_stored(5, c_low, kBlock * 4);
+      } else {
+        _tile_stored(6, c_high, kBlock * 4);
+        _tile_stored(7, c_low, kBlock * 4);
+      }
+      for (int64_t n = 0; n < kBlock; ++n) {  // weight row n's sums: exact in double, rounded to float once
+        const int64_t row = block * kBlock + n;
+        __m256 half[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m512d exact = _mm512_add_pd(
+              _mm512_mul_pd(_mm512_cvtepi32_pd(_mm256_load_si256(reinterpret_cast<const __m256i*>(c_high + n * kBlock + 8 * h))),
+                            _mm512_set1_pd(256.0)),
+              _mm512_cvtepi32_pd(_mm256_load_si256(reinterpret_cast<const __m256i*>(c_low + n * kBlock + 8 * h))));
+          half[h] = _mm512_cvtpd_ps(exact);
+        }
+        const __m512 total = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(half[0])),
+                                                                 _mm256_castps_pd(half[1]), 1));
+        const __m512 scaled = _mm512_mul_ps(_mm512_mul_ps(total, xs), _mm512_set1_ps(scales ? scales[row] : 1.0f));
+        _mm512_store_ps(sums + n * kBlock, _mm512_add_ps(scaled, _mm512_set1_ps(bias ? bias[row] : 0.0f)));
+      }
+      for (int64_t m = 0; m < cols; ++m) {  // a row of y at a time: its 16 values fill one cache line
+        Y* out = y + (m0 + m) * N + block * kBlock;
+        for (int64_t n = 0; n < kBlock; ++n) out[n] = static_cast<Y>(sums[n * kBlock + m]);
+      }
+    };
+    store(b, 4);
+    if (two) store(b + 1, 6);
   }
 };
 
