@@ -190,13 +190,16 @@ def test_batched_speculation_samples_the_target_distribution(tiny_tokenizer, kin
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_real_model_batched_spec_self_gives_spec_off_tokens(precision):
     """SmolLM2, 4 chat prompts together through the engine loop, spec=self (its int4 draft over the target's
-    KV) against spec off: the same greedy tokens, the drafts mostly accepted, every block back. Without the prefix
-    cache: the second run would find its prompts cached and prefill only their last blocks, on the fused step, where
-    the first run's step of all four prompts ran the Python model (beyond the fused step's rows), whose bf16
-    numerics are not the fused step's (the Python model rounds every activation to bf16)."""
+    KV) against spec off: the same greedy tokens, the drafts mostly accepted, every block back. Every step on the
+    fused step: bf16 numerics differ between it and the Python model (which rounds every activation to bf16), which
+    takes steps beyond the fused step's rows on AMX CPUs (32 or 96). So steps of at most 32 rows, and no prefix
+    cache: the second run would find its prompts cached and prefill only their last blocks, and how many prompts the
+    loop's first step holds depends on when it starts stepping (all four: 163 rows; one: ~40)."""
     from inferlab.api import load_engine
 
-    engine = load_engine(precision=precision, spec="self", **{"cache.prefix": False})
+    engine = load_engine(
+        precision=precision, spec="self", **{"cache.prefix": False, "scheduler.max_batched_tokens": 32}
+    )
     speculation = engine.speculation
     prompts = [
         "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -332,3 +335,21 @@ def test_a_round_with_room_but_no_proposal_counts_as_a_rejected_draft(tiny_token
     assert unmatched not in drafts and drafts[matched] == [7, 8, 9]
     assert loop.acceptances[unmatched].acceptance == pytest.approx(PRIOR * (1 - WEIGHT))
     assert matched not in loop.acceptances or loop.acceptances[matched].acceptance == PRIOR
+
+
+def test_a_new_sequence_starts_from_the_loops_running_estimate(tiny_tokenizer):
+    """Every verified round (and every round that proposed nothing) also moves one estimate over all the loop's
+    sequences, and a new sequence starts from it, not from the prior: a drafter that agrees rarely (a small trained
+    draft on free text: ~0.3) no longer drafts each new request's first rounds at a loss on the prior's 0.8 alone."""
+    engine = loop_engine(tiny_tokenizer, None, kv_blocks=64)
+    speculate(engine, NgramDrafter(), 4, adaptive=True)
+    loop = engine.loop.speculation
+    unmatched = fake_request(0, list(range(5, 17)), 8)
+    engine.blocks.ensure_room(unmatched.kv, unmatched.num_tokens)
+    unmatched.kv.num_computed = unmatched.num_tokens - 1
+    for _ in range(10):  # rounds with room and no match: rejected drafts
+        loop.propose(ScheduledBatch(decodes=[unmatched], lookahead=[3]), [unmatched])
+    assert loop.overall.acceptance == pytest.approx(PRIOR * (1 - WEIGHT) ** 10)
+    newcomer = fake_request(1, [7, 8, 9] * 4, 8)
+    loop.wanted([newcomer])
+    assert loop.acceptances[newcomer].acceptance == loop.overall.acceptance

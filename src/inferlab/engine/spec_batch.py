@@ -42,6 +42,9 @@ class LoopSpeculation:
     blocks: BlockManager  # the target's: verification counts kept tokens and gives rejected rows' blocks back
     target: Transformer  # what a draft step's cost is counted in (adaptive K)
     acceptances: dict[Request, Acceptance] = field(default_factory=dict)
+    # every sequence's rounds in one running estimate: where a new sequence's starts (a drafter that agrees rarely,
+    # as a small trained draft on free text, then does not draft a new request's first rounds on the prior alone)
+    overall: Acceptance = field(default_factory=Acceptance)
     proposals: dict[Request, Proposal] = field(default_factory=dict)  # this step's
     step_cost: StepCost = field(default_factory=StepCost)  # the loop's decode steps, timed (EngineLoop.step)
     draft_cost: StepCost = field(default_factory=StepCost)  # the draft steps, timed by the drafts (propose)
@@ -53,7 +56,7 @@ class LoopSpeculation:
         from their acceptances and the loop's timed steps (adaptive_k.plan_k)."""
         if not self.speculation.adaptive:
             return [self.speculation.k] * len(decodes)
-        acceptances = [self.acceptances.setdefault(r, Acceptance()).acceptance for r in decodes]
+        acceptances = [self._acceptance(r).acceptance for r in decodes]
         target, draft = self._costs()
         first_rows = sum(self.drafts.unseen(r) for r in decodes)
         if not plan_k([1.0] * len(decodes), self.speculation.k, target, draft, first_rows):
@@ -70,6 +73,15 @@ class LoopSpeculation:
         # drafting, the next probe waits twice as long)
         self.plain_steps, self.backoff = 0, min(2 * self.backoff, MAX_BACKOFF)
         return [1] * len(decodes)
+
+    def _acceptance(self, request: Request) -> Acceptance:
+        if request not in self.acceptances:
+            self.acceptances[request] = Acceptance(self.overall.acceptance)
+        return self.acceptances[request]
+
+    def _observe(self, request: Request, proposed: int, accepted: int) -> None:
+        self._acceptance(request).observe(proposed, accepted)
+        self.overall.observe(proposed, accepted)
 
     def _costs(self) -> tuple[Callable[[int], float], Callable[[int], float]]:
         """Seconds of a target step and of a draft step, by rows: as the loop timed them, the load-time Calibration
@@ -98,7 +110,7 @@ class LoopSpeculation:
                 self.blocks.trim(request.kv, request.num_tokens)
                 # and the round brought nothing, as a rejected draft would: an n-gram lookup that rarely matches (a
                 # free-text request) has its estimate fall, where only its rare proposals' fate kept it at the prior
-                self.acceptances.setdefault(request, Acceptance()).observe(1, 0)
+                self._observe(request, 1, 0)
         plain = len(batch.decodes) - len(self.proposals)  # one target call and one token each
         self.speculation.totals.add(SpecStats(plain, self.drafts.calls - calls, 0, 0, plain))
         return {r: p.tokens for r, p in self.proposals.items()}
@@ -114,9 +126,7 @@ class LoopSpeculation:
             events += request.accept(token)
             if request.finished:
                 break
-        acceptance = self.acceptances.get(request)
-        if acceptance is not None:
-            acceptance.observe(len(drafts), n)
+        self._observe(request, len(drafts), n)
         if not request.finished:
             self.blocks.advance(request.kv, request.token_ids, n)
             self.blocks.trim(request.kv, request.num_tokens)
