@@ -339,8 +339,9 @@ def test_a_round_with_room_but_no_proposal_counts_as_a_rejected_draft(tiny_token
 
 def test_a_new_sequence_starts_from_the_loops_running_estimate(tiny_tokenizer):
     """Every verified round (and every round that proposed nothing) also moves one estimate over all the loop's
-    sequences, and a new sequence starts from it, not from the prior: a drafter that agrees rarely (a small trained
-    draft on free text: ~0.3) no longer drafts each new request's first rounds at a loss on the prior's 0.8 alone."""
+    sequences (the Speculation's), and a new sequence starts from it, not from the prior: a drafter that agrees
+    rarely (a small trained draft on free text: ~0.3) no longer drafts each new request's first rounds at a loss on
+    the prior's 0.8 alone."""
     engine = loop_engine(tiny_tokenizer, None, kv_blocks=64)
     speculate(engine, NgramDrafter(), 4, adaptive=True)
     loop = engine.loop.speculation
@@ -349,7 +350,14 @@ def test_a_new_sequence_starts_from_the_loops_running_estimate(tiny_tokenizer):
     unmatched.kv.num_computed = unmatched.num_tokens - 1
     for _ in range(10):  # rounds with room and no match: rejected drafts
         loop.propose(ScheduledBatch(decodes=[unmatched], lookahead=[3]), [unmatched])
-    assert loop.overall.acceptance == pytest.approx(PRIOR * (1 - WEIGHT) ** 10)
+    overall = engine.speculation.acceptance.acceptance
+    assert overall == pytest.approx(PRIOR * (1 - WEIGHT) ** 10)
     newcomer = fake_request(1, [7, 8, 9] * 4, 8)
     loop.wanted([newcomer])
-    assert loop.acceptances[newcomer].acceptance == loop.overall.acceptance
+    assert loop.acceptances[newcomer].acceptance == overall
+    # the estimate is the drafter's: it outlives the loop's hold on it (spec swapped off and on again)
+    speculation = engine.speculation
+    engine.speculation = None
+    engine.speculation = speculation
+    engine.loop.speculation.wanted([newcomer])
+    assert engine.loop.speculation.acceptances[newcomer].acceptance == overall

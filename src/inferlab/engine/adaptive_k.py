@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PRIOR = 0.8  # acceptance assumed before any evidence: a draft is used because it usually agrees (in the engine loop
-# only until its first rounds: later sequences start from all its sequences' running estimate, spec_batch.py)
+# only until its first rounds: later sequences start from the drafter's running estimate, Speculation.acceptance)
 WEIGHT = 0.1  # each accepted or rejected draft token moves the estimate this far towards 1 or 0 (~10-token memory)
 BACKOFF = 16  # plain decoding steps after speculation stopped paying, before the next probe
 MAX_BACKOFF = 256  # the engine loop's plain steps between probes, doubled after each probe in vain, are at most this

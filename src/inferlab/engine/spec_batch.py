@@ -42,9 +42,6 @@ class LoopSpeculation:
     blocks: BlockManager  # the target's: verification counts kept tokens and gives rejected rows' blocks back
     target: Transformer  # what a draft step's cost is counted in (adaptive K)
     acceptances: dict[Request, Acceptance] = field(default_factory=dict)
-    # every sequence's rounds in one running estimate: where a new sequence's starts (a drafter that agrees rarely,
-    # as a small trained draft on free text, then does not draft a new request's first rounds on the prior alone)
-    overall: Acceptance = field(default_factory=Acceptance)
     proposals: dict[Request, Proposal] = field(default_factory=dict)  # this step's
     step_cost: StepCost = field(default_factory=StepCost)  # the loop's decode steps, timed (EngineLoop.step)
     draft_cost: StepCost = field(default_factory=StepCost)  # the draft steps, timed by the drafts (propose)
@@ -76,12 +73,12 @@ class LoopSpeculation:
 
     def _acceptance(self, request: Request) -> Acceptance:
         if request not in self.acceptances:
-            self.acceptances[request] = Acceptance(self.overall.acceptance)
+            self.acceptances[request] = Acceptance(self.speculation.acceptance.acceptance)
         return self.acceptances[request]
 
     def _observe(self, request: Request, proposed: int, accepted: int) -> None:
         self._acceptance(request).observe(proposed, accepted)
-        self.overall.observe(proposed, accepted)
+        self.speculation.acceptance.observe(proposed, accepted)
 
     def _costs(self) -> tuple[Callable[[int], float], Callable[[int], float]]:
         """Seconds of a target step and of a draft step, by rows: as the loop timed them, the load-time Calibration

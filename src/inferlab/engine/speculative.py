@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from inferlab.engine.adaptive_k import AdaptiveK
+from inferlab.engine.adaptive_k import Acceptance, AdaptiveK
 from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, ModelRunner, Proposal, build_drafter
 from inferlab.engine.sampling import SamplingParams, argmax_rows, draw, probabilities
 from inferlab.engine.sequence import Request, StreamEvent
@@ -198,6 +198,10 @@ class Speculation:
     k: int
     adaptive: bool = False
     totals: SpecStats = field(default_factory=SpecStats)  # over every request, for the engine's stats()
+    # every round of the engine loop's sequences in one running estimate, where a new sequence's starts
+    # (engine/spec_batch.py): a drafter that agrees rarely (a small trained draft on free text, ~0.3) then does not
+    # draft each new request's first rounds at a loss on the prior's 0.8 alone
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
     def counters(self) -> dict[str, int]:
         t = self.totals
