@@ -32,7 +32,7 @@ BF16_KERNEL_MAX_ROWS = 32
 # the same on the amx build, whose bf16 products run on the tiles too (csrc/amx.h). SmolLM2 bf16 prompt chunk on the AMX
 # Xeon, fused vs the Python model, ms: 32 tokens 20.4 vs 36.3, 64 34.8 vs 43.9, 96 48.4 vs 52.4, 128 65.1 vs 60.3
 BF16_TILES_MAX_ROWS = 96
-# rows up to which an int8 layer that holds a dense copy takes the kernel on the amx build, whose int8 products of 2 or
+# rows up to which an int8 layer that holds a dense copy takes the kernel on the amx build, whose int8 products of 6 or
 # more rows run on the tiles (csrc/amx.h: Int8Tiles; elsewhere GEMV_MAX_ROWS). SmolLM2 int8 prompt chunk on the AMX
 # Xeon, fused vs the Python model over bf16 copies, ms: 16 tokens 10.9 vs 30.8, 64 21.8 vs 41.0, 128 43.0 vs 55.8,
 # 192 63.3 vs 68.6, 256 89.2 vs 83.6
