@@ -1,4 +1,5 @@
-"""Weights moved onto huge pages: the same values, one 2 MiB-aligned arena, ties and parameters kept."""
+"""Weights moved onto huge pages: the same values, one 2 MiB-aligned arena, ties and parameters kept; KV pools
+allocated there."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 from conftest import tiny_model
 from torch import nn
 
-from inferlab.kernels.huge_pages import HUGE_PAGE, move_weights_to_huge_pages
+from inferlab.engine.kv_cache import KVCache
+from inferlab.engine.paged import PagedKVCache
+from inferlab.kernels.huge_pages import HUGE_PAGE, move_weights_to_huge_pages, zeros_on_huge_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
 
@@ -40,3 +43,23 @@ def test_small_tensors_stay_where_they_are():
     norm = model.norm.weight
     move_weights_to_huge_pages(model)  # the default threshold: a tiny model's norms are far below it
     assert model.norm.weight is norm
+
+
+def test_zeros_on_huge_pages_start_a_huge_page_and_are_zeros():
+    big = zeros_on_huge_pages((3, HUGE_PAGE // 4 + 5), torch.float32, torch.device("cpu"))
+    assert big.shape == (3, HUGE_PAGE // 4 + 5) and big.dtype == torch.float32 and big.is_contiguous()
+    assert not big.any()
+    if big.data_ptr() % HUGE_PAGE:
+        pytest.skip("this system refuses MADV_HUGEPAGE")
+    small = zeros_on_huge_pages((4, 8), torch.bfloat16, torch.device("cpu"))  # under one huge page: where torch puts it
+    assert small.shape == (4, 8) and small.dtype == torch.bfloat16 and not small.any()
+
+
+def test_kv_pools_of_both_layouts_lie_on_huge_pages():
+    config = tiny_model().config
+    paged = PagedKVCache.allocate(config, 4096, 16, torch.bfloat16, torch.device("cpu"))
+    contiguous = KVCache(config, 16, 4096, torch.bfloat16, torch.device("cpu"))
+    pools = [paged.k, paged.v, contiguous.k, contiguous.v]
+    assert all(p.nbytes >= HUGE_PAGE and not p.any() for p in pools)
+    if any(p.data_ptr() % HUGE_PAGE for p in pools):
+        pytest.skip("this system refuses MADV_HUGEPAGE")

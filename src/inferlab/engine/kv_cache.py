@@ -11,6 +11,7 @@ from torch import Tensor
 from inferlab.engine.kv_int8 import KV_INT8, SCALE_DTYPE
 from inferlab.errors import CapacityError
 from inferlab.kernels.attention import decode_attention
+from inferlab.kernels.huge_pages import zeros_on_huge_pages
 from inferlab.model.config import ModelConfig
 from inferlab.model.transformer import PLAIN, AttentionSpan, attend_over
 
@@ -29,8 +30,8 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device):
         shape = (config.n_layers, slots, config.n_kv_heads, max_seq_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeros_on_huge_pages(shape, dtype, device)  # (kernels/huge_pages.py)
+        self.v = zeros_on_huge_pages(shape, dtype, device)
         self.k_layers = [self.k[i] for i in range(config.n_layers)]  # per-layer views: less indexing per step
         self.v_layers = [self.v[i] for i in range(config.n_layers)]
         self.slots, self.max_seq_len = slots, max_seq_len

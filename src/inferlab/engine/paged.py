@@ -18,6 +18,7 @@ from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.kv_cache import KVCache, compute_kv_cache_bytes
 from inferlab.engine.kv_int8 import KV_INT8, SCALE_DTYPE, dequantize_rows, quantize_rows
 from inferlab.kernels.fused_decode import FusedDecode
+from inferlab.kernels.huge_pages import zeros_on_huge_pages
 from inferlab.model.config import ModelConfig
 from inferlab.model.transformer import Transformer
 
@@ -39,7 +40,7 @@ class PagedKVCache:
     ) -> PagedKVCache:
         """`dtype`: the model's, or KV_INT8 for codes and scales."""
         shape = (config.n_layers, num_blocks, config.n_kv_heads, block_size, config.head_dim)
-        k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        k, v = (zeros_on_huge_pages(shape, dtype, device) for _ in range(2))  # (kernels/huge_pages.py)
         if dtype != KV_INT8:
             return cls(k, v)
         k_scale, v_scale = (torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) for _ in range(2))

@@ -1,4 +1,5 @@
-"""A CPU model's weights in one 2 MiB-aligned arena on huge pages (Linux), the way the decode kernels read them.
+"""A CPU model's weights in one 2 MiB-aligned arena on huge pages (Linux), the way the decode kernels read them; its KV
+pools on huge pages too.
 
 A decode step streams every weight once. On 4 KiB pages that costs a TLB entry per 4 KiB, and the
 hardware prefetcher stops at every page boundary; on 2 MiB pages neither happens. Anonymous memory gets
@@ -8,12 +9,19 @@ views of it. Measured on this project's 2-core machine (the gemv op on 256 MiB o
 alternated): fp32 +9%, bf16 +4%, int8 +14% median streaming rate; SmolLM2 decode tok/s (10 alternated
 runs of 64 tokens): fp32 +4%, bf16 +8%, int8 +3%, int4 +8%. Where the advice is refused (other systems,
 THP off), the weights stay where they are.
+
+The KV pools go there too (zeros_on_huge_pages): attention reads each sequence's blocks wherever they lie in a
+pool of hundreds of MiB, a 2 KiB run of keys here and one there, so on 4 KiB pages nearly every run costs a TLB
+miss. SmolLM2's whole fused step, 150-token contexts in shuffled blocks of a 256 MiB pool, both pools alternated
+in one process (AMX Xeon, 2 threads, median of 12): int4 1 row 2.97 -> 2.78 ms, 8 rows 9.02 -> 8.17, 16 rows
+16.07 -> 14.58; bf16 8 rows 13.77 -> 12.65, 16 rows 19.81 -> 18.50.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import sys
 
 import torch
@@ -34,6 +42,27 @@ def _advise_huge_pages(address: int, length: int) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc.madvise(address, length, MADV_HUGEPAGE) == 0
+
+
+def _advised_arena(nbytes: int) -> Tensor | None:
+    """`nbytes` of fresh memory (uint8) from a 2 MiB boundary on, advised as huge pages before anything touches it;
+    None where the advice is refused."""
+    pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    raw = torch.empty(pages + HUGE_PAGE, dtype=torch.uint8)  # untouched yet: its pages fault in after the advice
+    start = -raw.data_ptr() % HUGE_PAGE
+    if not _advise_huge_pages(raw.data_ptr() + start, pages):
+        return None
+    return raw[start : start + nbytes]
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """torch.zeros(shape, dtype, device), on huge pages where it is CPU memory of at least one huge page and the
+    advice is granted (a KV pool)."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    arena = _advised_arena(nbytes) if device.type == "cpu" and nbytes >= HUGE_PAGE else None
+    if arena is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return arena.view(dtype).view(shape).zero_()
 
 
 def _large_tensors(model: nn.Module, min_bytes: int) -> dict[int, Tensor]:
@@ -63,13 +92,10 @@ def move_weights_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> 
         total += -(-tensor.nbytes // 64) * 64  # each tensor 64-byte aligned
     if total == 0:
         return 0
-    pages = -(-total // HUGE_PAGE) * HUGE_PAGE
-    raw = torch.empty(pages + HUGE_PAGE, dtype=torch.uint8)  # untouched yet: its pages fault in after the advice
-    start = -raw.data_ptr() % HUGE_PAGE
-    if not _advise_huge_pages(raw.data_ptr() + start, pages):
+    arena = _advised_arena(total)
+    if arena is None:
         log.info("huge pages refused (madvise errno %d); weights stay on normal pages", ctypes.get_errno())
         return 0
-    arena = raw[start : start + total]
     moved: dict[int, Tensor] = {}
     for ptr, tensor in tensors.items():
         view = arena[offsets[ptr] : offsets[ptr] + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
