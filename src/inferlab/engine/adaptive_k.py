@@ -158,7 +158,10 @@ class StepCost:
         """Seconds of a step of `rows` rows: between two row counts timed MIN_SAMPLES times, on the line between their
         fastest steps, and past them on the slope of `line` (this cost's fit) from the nearest one (a kernel that
         switches paths past some row count makes a staircase, not a line: fp32 SmolLM2 steps of 8, 9 and 16 rows took
-        27.5, 36.5 and 39.3 ms); `line` itself where none is."""
+        27.5, 36.5 and 39.3 ms); `line` itself where none is. Below the fewest rows timed, never under that step's
+        share of its rows (a step's fixed cost only raises it): once a loop has drafted for a while only its verifications
+        are timed (tens of rows), and a slope through them can reach 0 s for a plain step of a few rows, which adaptive
+        K divides by (the serving_spec study's bf16 spec=self server: every later step failed)."""
         a, b = line
         knots = sorted(self.points()[1].items())
 
@@ -167,7 +170,7 @@ class StepCost:
                 return a + b * rows
             (first, at_first), (last, at_last) = knots[0], knots[-1]
             if rows <= first:
-                return max(at_first - b * (first - rows), 0.0)
+                return max(at_first - b * (first - rows), at_first * rows / first)
             if rows >= last:
                 return at_last + b * (rows - last)
             (low, at_low), (high, at_high) = next((k0, k1) for k0, k1 in zip(knots, knots[1:]) if k1[0] >= rows)
