@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_engine, tiny_model
 
-from inferlab.kernels.gemv import INT4_KERNEL_MAX_ROWS, int8_kernel_max_rows
+from inferlab.kernels.gemv import BF16_TILES_MAX_ROWS, INT4_KERNEL_MAX_ROWS, int8_kernel_max_rows
 from inferlab.kernels.select import keep_dense_copies
 from inferlab.quant import quantize_model
 from inferlab.quant.int4 import Int4GroupLinear
@@ -77,14 +77,17 @@ def test_no_copy_when_the_copies_do_not_fit_the_budget():
 
 
 def test_an_int4_engine_with_copies_runs_long_prompts_through_them(monkeypatch, tiny_tokenizer):
-    """On an AMX CPU (pretended) a bf16 int4 engine's fused step covers up to INT4_KERNEL_MAX_ROWS rows and longer
-    prompts run the Python model over the bf16 copies: the prompt's logits stay those of the fused int4 step within
-    bf16 activations' rounding, and the decodes after it run fused."""
+    """On an AMX CPU (pretended) a bf16 int4 engine's prompts of more than INT4_KERNEL_MAX_ROWS rows multiply the bf16
+    copies: on the amx build inside the fused step (on its bf16 tiles, up to BF16_TILES_MAX_ROWS rows), elsewhere in the
+    Python model. The prompt's logits stay those of the int4 kernel's fused step within bf16 activations' rounding, and
+    the decodes after it run fused."""
     monkeypatch.setattr("inferlab.quant.int4.amx_bf16_usable", lambda: True)
     kwargs = dict(kernels="fast", quant="int4", dtype=torch.bfloat16, dim=128, hidden_dim=256)
     fused = tiny_engine(tiny_tokenizer, **kwargs)
     copies = tiny_engine(tiny_tokenizer, **kwargs, dense_copy_mb=64)
-    assert fused.fused.max_rows > INT4_KERNEL_MAX_ROWS and copies.fused.max_rows == INT4_KERNEL_MAX_ROWS
+    on_tiles = copies.fused.isa == "amx"
+    assert fused.fused.max_rows > INT4_KERNEL_MAX_ROWS
+    assert copies.fused.max_rows == (BF16_TILES_MAX_ROWS if on_tiles else INT4_KERNEL_MAX_ROWS)
     prompt = list(range(40, 40 + INT4_KERNEL_MAX_ROWS + 36))
     (want, want_seq), (got, got_seq) = fused.prefill(prompt), copies.prefill(prompt)
     assert F.cosine_similarity(want.float(), got.float(), dim=-1).min() >= 0.999

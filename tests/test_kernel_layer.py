@@ -38,9 +38,10 @@ def test_plain_and_quantized_linears_expose_their_weights_and_the_switch(dtype):
     for layer in swapped.values():
         assert isinstance(layer, KernelLayer)
         weights = layer.kernel_weights()
-        if weights is not None:  # the fused decode plan takes [weight, scales, mins, bias]
-            weight, _, _, bias = projection_parts(layer)
+        if weights is not None:  # the fused decode plan takes [weight, scales, mins, bias, dense copy]
+            weight, _, _, bias, copy = projection_parts(layer)
             assert (weight.data_ptr(), bias.data_ptr()) == (weights.weight.data_ptr(), weights.bias.data_ptr())
+            assert copy.numel() == 0  # none kept
         layer.use_kernel = False  # the portable reference path: nothing for the kernels
         assert layer.kernel_weights() is None and projection_parts(layer) is None
 

@@ -28,13 +28,20 @@ from inferlab.model.transformer import Transformer, rope_tables
 FUSED_MAX_ROWS = 2048
 
 
-def projection_parts(linear: nn.Module) -> list[Tensor] | None:
-    """[weight, scales, mins, bias] as the C++ plan takes a projection (absent parts empty), or None when
-    this layer does not run on the gemv kernel."""
+def projection_parts(linear: nn.Module, with_copy: bool = True) -> list[Tensor] | None:
+    """[weight, scales, mins, bias, dense copy] as the C++ plan takes a projection (absent parts empty; the copy: a
+    DenseCopyLayer's bf16 one, with `with_copy`), or None when this layer does not run on the gemv kernel."""
     weights = linear.kernel_weights() if isinstance(linear, KernelLayer) else None
     if weights is None or linear.in_features % GEMV_K_STEP or linear.in_features > GEMV_MAX_K:
         return None
-    return weights.parts()
+    copy = bf16_copy(linear) if with_copy else None
+    return [*weights.parts(), copy.detach() if copy is not None else weights.weight.new_empty(0)]
+
+
+def bf16_copy(layer: nn.Module) -> Tensor | None:
+    """A quantized layer's dense copy where the amx build's plan multiplies it on the tiles (bf16), else None."""
+    copy = layer.dense if isinstance(layer, DenseCopyLayer) else None
+    return copy if copy is not None and copy.dtype == torch.bfloat16 else None
 
 
 def many_rows_limit(model: Transformer, isa: str) -> int:
@@ -43,7 +50,9 @@ def many_rows_limit(model: Transformer, isa: str) -> int:
     INT4_KERNEL_MAX_ROWS; oneDNN's bf16 GEMM over the copies is faster beyond; the LM head runs on a step's logit
     rows only, a few), and for bf16 layers
     on AMX CPUs BF16_KERNEL_MAX_ROWS (the Python model's F.linear runs oneDNN's GEMM on the tiles), or on the `isa`
-    build that multiplies bf16 on the tiles itself (amx) BF16_TILES_MAX_ROWS. int4 layers hold
+    build that multiplies bf16 on the tiles itself (amx) BF16_TILES_MAX_ROWS. That build's plan also multiplies a
+    quantized layer's bf16 copy on the tiles, beyond the rows its kernel takes (dense_from_rows): such layers stay fused
+    up to BF16_TILES_MAX_ROWS as well (SmolLM2 int4, prompts of 128 tokens ~1.4x as fast). int4 layers hold
     copies only on AMX CPUs; elsewhere every int4 step runs fused. Measured on SmolLM2 (AVX-512 without AMX, one
     thread), int4 fused against the Python model over dense bf16 copies: 16 rows 25-34 vs 56-64 ms, 32 rows 56-84 vs 92 ms, 64 rows 98-134 vs
     117-128 ms; batch-1 prompts of 128 tokens 450-570 vs 500-510 tok/s, of 512 420-430 vs 480-530 (oneDNN's
@@ -52,12 +61,21 @@ def many_rows_limit(model: Transformer, isa: str) -> int:
     kept mixed steps within the real-model tolerance then, the bf16 Python model did not (on the AMX Xeon the
     real-model mixed-step test passes with the Python model beyond 32 rows); fp32 354 vs 330, 318 vs 321."""
     limits = [
-        m.kernel_max_rows for m in model.layers.modules() if isinstance(m, DenseCopyLayer) and m.dense is not None
+        max(m.kernel_max_rows, BF16_TILES_MAX_ROWS) if isa == "amx" and bf16_copy(m) is not None else m.kernel_max_rows
+        for m in model.layers.modules()
+        if isinstance(m, DenseCopyLayer) and m.dense is not None
     ]
     bf16 = any(isinstance(m, GemvLinear) and m.weight.dtype == torch.bfloat16 for m in model.layers.modules())
     if bf16 and amx_bf16_usable():  # oneDNN's bf16 GEMM on AMX tiles outruns the kernel beyond these rows
         limits.append(BF16_TILES_MAX_ROWS if isa == "amx" else BF16_KERNEL_MAX_ROWS)
     return min(limits, default=FUSED_MAX_ROWS)
+
+
+def dense_from_rows(model: Transformer) -> int:
+    """Rows from which the plan multiplies a decoder layer's dense copy instead of its quantized weights: one past the
+    most its kernel takes (DenseCopyLayer's kernel_max_rows), as the Python model does (0: no copies)."""
+    copies = [m for m in model.layers.modules() if isinstance(m, DenseCopyLayer) and bf16_copy(m) is not None]
+    return min(m.kernel_max_rows for m in copies) + 1 if copies else 0
 
 
 class FusedDecode:
@@ -83,7 +101,7 @@ class FusedDecode:
             or config.head_dim > DECODE_ATTENTION_MAX_HEAD_DIM
         ):
             return None
-        output = projection_parts(model.output)
+        output = projection_parts(model.output, with_copy=False)  # few rows: a step's logit rows
         layers = [
             [
                 projection_parts(linear)
@@ -107,6 +125,7 @@ class FusedDecode:
             model.norm.weight.detach(),
             output,
             int8_activations,
+            dense_from_rows(model),
         )
         for block, (wqkv, wo, w13, w2) in zip(model.layers, layers):
             plan.add_layer(block.attention_norm.weight.detach(), wqkv, wo, block.ffn_norm.weight.detach(), w13, w2)

@@ -29,9 +29,10 @@ INT4_KERNEL_MAX_ROWS = 64
 # F.linear runs oneDNN's GEMM on the tiles). SmolLM2 bf16 prompt on an AMX Xeon, fused vs Python, tok/s: 16 tokens
 # 618 vs 474, 32 702 vs 877, 64 781 vs 1,372, 128 840 vs 2,174, 512 787 vs 3,429
 BF16_KERNEL_MAX_ROWS = 32
-# the same on the amx build, whose bf16 products run on the tiles too (csrc/amx.h). SmolLM2 bf16 prompt chunk on the AMX
-# Xeon, fused vs the Python model, ms: 32 tokens 20.4 vs 36.3, 64 34.8 vs 43.9, 96 48.4 vs 52.4, 128 65.1 vs 60.3
-BF16_TILES_MAX_ROWS = 96
+# the same on the amx build, whose bf16 products run on the tiles too (csrc/amx.h; there also a quantized layer's bf16
+# copy, kernels/fused_decode.py). SmolLM2 bf16 prompt chunk on the AMX Xeon, fused vs the Python model, ms: 32 tokens
+# 15.2 vs 36.4, 64 23.6 vs 44.5, 96 31.7 vs 51.7, 128 44.3 vs 59.2, 192 67.8 vs 72.0, 256 91.9 vs 89.8, 512 233 vs 147
+BF16_TILES_MAX_ROWS = 192
 # rows up to which an int8 layer that holds a dense copy takes the kernel on the amx build, whose int8 products of 6 or
 # more rows run on the tiles (csrc/amx.h: Int8Tiles; elsewhere GEMV_MAX_ROWS). SmolLM2 int8 prompt chunk on the AMX
 # Xeon, fused vs the Python model over bf16 copies, ms: 16 tokens 10.9 vs 30.8, 64 21.8 vs 41.0, 128 43.0 vs 55.8,

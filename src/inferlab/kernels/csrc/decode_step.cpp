@@ -24,12 +24,13 @@ using inferlab::Floats;
 using inferlab::KvPool;
 using inferlab::Projection;
 
-// A projection as Python hands it over: [weight, scales, mins, bias], absent parts as empty tensors (int4 tiles:
-// read where they are, the layer's own)
-Projection projection_from(const std::vector<at::Tensor>& parts, bool int8_activations) {
-  TORCH_CHECK(parts.size() == 4, "DecodePlan: a projection is [weight, scales, mins, bias]");
+// A projection as Python hands it over: [weight, scales, mins, bias, dense copy], absent parts as empty tensors (int4
+// tiles: read where they are, the layer's own); the copy serves products of dense_from_rows rows and more
+Projection projection_from(const std::vector<at::Tensor>& parts, bool int8_activations, int64_t dense_from_rows) {
+  TORCH_CHECK(parts.size() == 5, "DecodePlan: a projection is [weight, scales, mins, bias, dense copy]");
   auto given = [](const at::Tensor& t) { return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt; };
-  return Projection(parts[0], given(parts[1]), given(parts[2]), given(parts[3]), int8_activations);
+  return Projection(parts[0], given(parts[1]), given(parts[2]), given(parts[3]), int8_activations, given(parts[4]),
+                    dense_from_rows);
 }
 
 struct Layer {
@@ -55,12 +56,15 @@ inline void add_to(float* h, const float* y, int64_t n) {
 class DecodePlan : public torch::CustomClassHolder {
  public:
   // rope_cos, rope_sin: (max_seq_len, head_dim); norm: the final RMSNorm's weight; output: the LM head;
-  // int8_activations: every int4 projection takes int8 activation codes per block (Projection's; a draft's)
+  // int8_activations: every int4 projection takes int8 activation codes per block (Projection's; a draft's);
+  // dense_from_rows: projections holding a dense copy multiply it from this many rows on (Projection's)
   DecodePlan(int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double norm_eps, at::Tensor rope_cos,
-             at::Tensor rope_sin, at::Tensor norm, std::vector<at::Tensor> output, bool int8_activations)
+             at::Tensor rope_sin, at::Tensor norm, std::vector<at::Tensor> output, bool int8_activations,
+             int64_t dense_from_rows)
       : H_(n_heads), H_kv_(n_kv_heads), D_(head_dim), eps_(norm_eps), cos_(rope_cos, false), sin_(rope_sin, false),
-        rope_rows_(rope_cos.size(0)), norm_(norm, false), output_(projection_from(output, int8_activations)),
-        dim_(norm.numel()), int8_activations_(int8_activations) {
+        rope_rows_(rope_cos.size(0)), norm_(norm, false),
+        output_(projection_from(output, int8_activations, dense_from_rows)), dim_(norm.numel()),
+        int8_activations_(int8_activations), dense_from_rows_(dense_from_rows) {
     TORCH_CHECK(H_ % H_kv_ == 0 && D_ % 8 == 0 && D_ <= inferlab::kMaxHeadDim,
                 "DecodePlan: heads must group evenly and head_dim be a multiple of 8 up to 256");
     TORCH_CHECK(rope_cos.sizes() == rope_sin.sizes() && rope_cos.dim() == 2 && rope_cos.size(1) == D_,
@@ -70,9 +74,11 @@ class DecodePlan : public torch::CustomClassHolder {
 
   void add_layer(at::Tensor attention_norm, std::vector<at::Tensor> wqkv, std::vector<at::Tensor> wo,
                  at::Tensor ffn_norm, std::vector<at::Tensor> w13, std::vector<at::Tensor> w2) {
-    Layer layer{Floats(attention_norm, false), projection_from(wqkv, int8_activations_),
-                projection_from(wo, int8_activations_), Floats(ffn_norm, false), projection_from(w13, int8_activations_),
-                projection_from(w2, int8_activations_)};
+    auto projection = [&](const std::vector<at::Tensor>& parts) {
+      return projection_from(parts, int8_activations_, dense_from_rows_);
+    };
+    Layer layer{Floats(attention_norm, false), projection(wqkv), projection(wo), Floats(ffn_norm, false),
+                projection(w13), projection(w2)};
     const int64_t qkv = (H_ + 2 * H_kv_) * D_;
     TORCH_CHECK(attention_norm.numel() == dim_ && ffn_norm.numel() == dim_ && layer.wqkv.K == dim_ &&
                 layer.wqkv.N == qkv && layer.wo.K == H_ * D_ && layer.wo.N == dim_ && layer.w13.K == dim_ &&
@@ -203,6 +209,7 @@ class DecodePlan : public torch::CustomClassHolder {
   Projection output_;
   int64_t dim_;
   bool int8_activations_;
+  int64_t dense_from_rows_;
   std::vector<Layer> layers_;
 };
 
@@ -211,7 +218,7 @@ class DecodePlan : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(INFERLAB_OPS, m) {
   m.class_<DecodePlan>("DecodePlan")
       .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>,
-                      bool>())
+                      bool, int64_t>())
       .def("add_layer", &DecodePlan::add_layer)
       .def("step", &DecodePlan::step);
 }

@@ -713,21 +713,29 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 //   of its scales and mins (quant/int4.py's tile_rows): the decode step reads them as one stream, without
 //   transposing them on the way. Bias (N,). Scales, mins (of rows) and bias are read as fp32 (converted once,
 //   here, when they are bf16). int8_activations: int4 weights meet int8 activation codes per block of 32 columns
-//   (Int4Format's int8_x: a speculative draft's), not int16 ones per row; the other formats ignore it.
+//   (Int4Format's int8_x: a speculative draft's), not int16 ones per row; the other formats ignore it. `dense`: a
+//   quantized layer's dequantized bf16 copy (N, K) (kernels/layer.py's DenseCopyLayer), which the amx build
+//   multiplies on its bf16 tiles from `dense_from_rows` activation rows on (a prompt chunk: there the tiles over the
+//   copy outrun the int4 kernel several times, and the Python model's oneDNN GEMM over it up to ~200 rows).
 struct Projection {
   at::Tensor weight;
   Floats scales, mins, bias;
   int64_t N = 0, K = 0, group = 0;
   const int32_t* tiles = nullptr;  // int4 tiles: every block's Int4Format::tile
   bool int8_activations = false;
+  at::Tensor dense;  // undefined: none
+  int64_t dense_from_rows = 0;
 
   Projection(const at::Tensor& w, const std::optional<at::Tensor>& scales_, const std::optional<at::Tensor>& mins_,
-             const std::optional<at::Tensor>& bias_, bool int8_activations_ = false)
+             const std::optional<at::Tensor>& bias_, bool int8_activations_ = false,
+             const std::optional<at::Tensor>& dense_ = std::nullopt, int64_t dense_from_rows_ = 0)
       : weight(w),
         scales(is_tiles(w) ? Floats() : optional_floats(scales_)),
         mins(is_tiles(w) ? Floats() : optional_floats(mins_)),
         bias(optional_floats(bias_)),
-        int8_activations(int8_activations_) {
+        int8_activations(int8_activations_),
+        dense(dense_ ? *dense_ : at::Tensor()),
+        dense_from_rows(dense_from_rows_) {
     const bool int4_rows = w.scalar_type() == at::kByte;
     int64_t groups = 0;  // int4: per row
     TORCH_CHECK(w.dim() == (is_tiles(w) ? 3 : 2) && w.is_contiguous(),
@@ -755,6 +763,9 @@ struct Projection {
       K = int4_rows ? 2 * w.size(1) : w.size(1);
     }
     TORCH_CHECK(K % kStep == 0 && K <= kMaxK, "gemv: K must be a multiple of 16 and at most 8192, got ", K);
+    TORCH_CHECK(!dense.defined() || (dense.scalar_type() == at::kBFloat16 && dense.is_contiguous() &&
+                                     dense.dim() == 2 && dense.size(0) == N && dense.size(1) == K),
+                "gemv: a dense copy must be a contiguous bf16 (N, K) matrix");
     TORCH_CHECK(!bias_ || bias_->numel() == N, "gemv: bias must have N = ", N, " values");
     if (int4_rows) {
       TORCH_CHECK(scales_ && mins_ && scales_->dim() == 2 && scales_->size(0) == N && scales_->sizes() == mins_->sizes(),
@@ -777,6 +788,12 @@ struct Projection {
   template <typename Y>
   void operator()(const float* x, int64_t M, Y* y) const {
     TORCH_CHECK(M >= 1, "gemv: no activation rows");
+#ifdef INFERLAB_AMX
+    if (dense.defined() && M >= dense_from_rows && Bf16Tiles::covers(N, K)) {  // the copy: scales already applied
+      Bf16Tiles(dense.data_ptr<at::BFloat16>(), N, K, x, M)(nullptr, bias.data(), y);
+      return;
+    }
+#endif
     const int64_t row_bytes = weight.nbytes() / N;
     switch (weight.scalar_type()) {
       case at::kFloat:
