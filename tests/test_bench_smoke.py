@@ -8,12 +8,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from conftest import tiny_model
 
+from inferlab.bench.studies.peers import Peer, prefill_rates
 from inferlab.bench.studies.profile import phase_weight_bytes
 from inferlab.bench.studies.serving import paired_variants
 from inferlab.kernels.build import cpu_gemv_available
@@ -121,10 +123,39 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
         assert row["roofline_tok_s"] == pytest.approx(bandwidth * 1e9 / (row["weight_mb"] * 2**20))
         assert row["pct_roofline"] == pytest.approx(100 * row["decode_tok_s"] / row["roofline_tok_s"])
         assert row["prefill_32_tok_s"] > 0  # a prefill column per prompt length, per engine
+    # the job's own build alone is paired with the same engine at bf16, on the same prompts
+    assert inferlab[0]["prefill_32_vs_bf16"] > 0
+    assert all("prefill_32_vs_bf16" not in row for row in result["rows"] if row is not inferlab[0])
     if rows["llama.cpp"]["decode_tok_s"] is None:  # the peers extra is not installed here
         assert "pip install" in rows["llama.cpp"]["note"]
     else:
         assert rows["llama.cpp"]["note"].endswith(".int8.gguf")
+
+
+def test_a_paired_prefill_is_timed_beside_ours_in_turns_and_given_as_its_seconds_over_ours():
+    calls: list[str] = []
+
+    def timed(name: str, seconds: float) -> Callable[[list[int]], float]:
+        def prefill(ids: list[int]) -> float:
+            calls.append(f"{name} {len(ids)}")
+            return seconds
+
+        return prefill
+
+    peer = Peer(lambda ids, n: [], timed("int4", 0.25), 0, "", "amx", ("bf16", timed("bf16", 0.5)))
+    prompts = {4: [1] * 4, 8: [1] * 8}
+    assert prefill_rates(peer, prompts, index=1) == {
+        "prefill_4_tok_s": 16.0,
+        "prefill_4_vs_bf16": 2.0,
+        "prefill_8_tok_s": 32.0,
+        "prefill_8_vs_bf16": 2.0,
+    }
+    assert calls == ["int4 4", "bf16 4", "int4 8", "bf16 8"]
+    calls.clear()
+    prefill_rates(peer, prompts, index=2)  # the next round, bf16 goes first
+    assert calls == ["bf16 4", "int4 4", "bf16 8", "int4 8"]
+    alone = Peer(peer.generate, peer.prefill, 0, "", "amx")
+    assert prefill_rates(alone, prompts, index=1) == {"prefill_4_tok_s": 16.0, "prefill_8_tok_s": 32.0}
 
 
 def test_the_profile_phases_count_every_weight_of_the_step_once():

@@ -73,8 +73,18 @@ def resolve_precision(cfg: DictConfig) -> str:
         return cfg.precision.name
     name, why = native_precision(OmegaConf.to_container(cfg.model, resolve=True))
     with open_dict(cfg):
-        cfg.precision = OmegaConf.load(CONF_DIR / "precision" / f"{name}.yaml")
+        cfg.precision = precision_config(name)
     return f"{name} (auto: {why})"
+
+
+def precision_config(name: str) -> DictConfig:
+    """conf/precision/NAME.yaml, the `precision` group's option, for a config composed with another one."""
+    path = CONF_DIR / "precision" / f"{name}.yaml"
+    if not path.is_file():
+        raise InvalidRequestError(f"no precision {name!r} in {path.parent}")
+    config = OmegaConf.load(path)
+    assert isinstance(config, DictConfig)
+    return config
 
 
 def memory_mib() -> tuple[float, float]:

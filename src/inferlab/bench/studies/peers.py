@@ -7,6 +7,9 @@ prompts, so no engine finds one cached), in rounds that probe the machine's read
 every engine once (medians over the rounds). The roofline is that bandwidth over the
 bytes of weights one decode step reads. inferlab runs once per instruction set of `study.isas` that the CPU
 runs (its kernels' builds, kernels/isa.py), each row naming its set; the peers name what they run on.
+Beside `study.prefill_paired_with` (a precision), the job's own inferlab engine also has its prefill timed
+against that precision's, back to back on the same prompts in every round: `prefill_N_vs_PRECISION` is the
+other's seconds over ours (above 1: ours is faster), a ratio the machine's drift over minutes does not reach.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
-from inferlab.api import engine_from_config
+from inferlab.api import engine_from_config, precision_config
 from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.bench.studies.common import (
@@ -59,6 +62,7 @@ class Peer:
     weight_bytes: int
     note: str
     isa: str
+    paired: tuple[str, Prefill] | None = None  # (precision, its engine's prefill) timed beside ours
 
 
 @register("peers")
@@ -82,6 +86,7 @@ def run(cfg: DictConfig) -> Rows:
             weight_bytes(e.model),
             e.loaded.source,
             isa or engine.config.device.type,
+            paired_prefill(cfg, isa, cfg.study.get("prefill_paired_with")) if e is engine else None,
         )
     common = {"prompt_tokens": len(ids), "new_tokens": int(m.new_tokens), "torch_threads": torch.get_num_threads()}
     peers: dict[tuple[str, str | None], Peer] = {}
@@ -104,7 +109,7 @@ def run(cfg: DictConfig) -> Rows:
         rates: Rates = {}
         for key, peer in peers.items():
             rates[key] = {"decode_tok_s": decode_rate(peer.generate(ids, int(m.new_tokens)))}
-            rates[key] |= {f"prefill_{n}_tok_s": n / peer.prefill(prompt) for n, prompt in prompts.items()}
+            rates[key] |= prefill_rates(peer, prompts, index)
         return bandwidth, rates
 
     warmup = int(m.warmup)
@@ -131,6 +136,33 @@ def run(cfg: DictConfig) -> Rows:
             }
         )
     return rows
+
+
+def prefill_rates(peer: Peer, prompts: dict[int, list[int]], index: int) -> dict[str, float]:
+    """Prefill tok/s at each prompt length; with a paired engine, also its seconds over ours on the same
+    prompt, the two timed back to back (who goes first alternates with the round's index)."""
+    rates = {}
+    for n, prompt in prompts.items():
+        if peer.paired is None:
+            rates[f"prefill_{n}_tok_s"] = n / peer.prefill(prompt)
+            continue
+        precision, paired = peer.paired
+        turns = [peer.prefill, paired] if index % 2 else [paired, peer.prefill]
+        seconds = {prefill: prefill(prompt) for prefill in turns}
+        rates[f"prefill_{n}_tok_s"] = n / seconds[peer.prefill]
+        rates[f"prefill_{n}_vs_{precision}"] = seconds[paired] / seconds[peer.prefill]
+    return rates
+
+
+def paired_prefill(cfg: DictConfig, isa: str | None, precision: str | None) -> tuple[str, Prefill] | None:
+    """The prefill of an engine like the job's at `precision`, on the same kernel build; None where the
+    job itself runs at that precision (or none is asked for)."""
+    if precision is None or cfg.precision.name == precision:
+        return None
+    paired_cfg = cfg.copy()
+    with open_dict(paired_cfg):
+        paired_cfg.precision = precision_config(precision)
+    return precision, inferlab_prefill(engine_from_config(paired_cfg), isa)
 
 
 def inferlab_prefill(engine: InferenceEngine, isa: str | None) -> Prefill:
