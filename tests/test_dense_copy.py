@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_engine, tiny_model
 
-from inferlab.kernels.gemv import BF16_TILES_MAX_ROWS, INT4_KERNEL_MAX_ROWS, int8_kernel_max_rows
+from inferlab.kernels.gemv import BF16_TILES_MAX_ROWS, int4_kernel_max_rows, int8_kernel_max_rows
 from inferlab.kernels.select import keep_dense_copies
 from inferlab.quant import quantize_model
 from inferlab.quant.int4 import Int4GroupLinear
@@ -41,12 +41,13 @@ def test_int4_layers_keep_no_copy_without_amx(monkeypatch):
     assert all(m.dense is not None for m in model.modules() if isinstance(m, Int8Linear))
 
 
-@pytest.mark.parametrize("rows", [INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1])
-def test_int4_copies_on_amx_serve_only_many_rows_in_bf16(monkeypatch, rows):
-    """With AMX (here pretended), a bf16 model's int4 layers keep bf16 copies: beyond INT4_KERNEL_MAX_ROWS rows
-    F.linear over the copy (the dequantized weights, to the bit), up to it the int4 kernel as before; an fp32 model
-    keeps none (oneDNN's fp32 GEMM does not beat the kernel)."""
+@pytest.mark.parametrize("beyond", [0, 1])
+def test_int4_copies_on_amx_serve_only_many_rows_in_bf16(monkeypatch, beyond):
+    """With AMX (here pretended), a bf16 model's int4 layers keep bf16 copies: beyond int4_kernel_max_rows() rows
+    (this build's) F.linear over the copy (the dequantized weights, to the bit), up to it the int4 kernel as before; an
+    fp32 model keeps none (oneDNN's fp32 GEMM does not beat the kernel)."""
     monkeypatch.setattr("inferlab.quant.int4.amx_bf16_usable", lambda: True)
+    rows = int4_kernel_max_rows() + beyond
     fp32 = tiny_model(0)
     quantize_model(fp32, "int4", 32)
     keep_dense_copies(fp32, torch.float32, budget_mb=64)
@@ -62,7 +63,7 @@ def test_int4_copies_on_amx_serve_only_many_rows_in_bf16(monkeypatch, rows):
     for layer, rows_, kernel in zip(layers, x, before):
         assert layer.dense is not None and "dense" not in layer.state_dict()
         got = layer(rows_)
-        if rows > INT4_KERNEL_MAX_ROWS:
+        if beyond:
             want = torch.nn.functional.linear(rows_, layer.dequantize().to(torch.bfloat16), layer.bias)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         else:
@@ -77,7 +78,7 @@ def test_no_copy_when_the_copies_do_not_fit_the_budget():
 
 
 def test_an_int4_engine_with_copies_runs_long_prompts_through_them(monkeypatch, tiny_tokenizer):
-    """On an AMX CPU (pretended) a bf16 int4 engine's prompts of more than INT4_KERNEL_MAX_ROWS rows multiply the bf16
+    """On an AMX CPU (pretended) a bf16 int4 engine's prompts of more than int4_kernel_max_rows() rows multiply the bf16
     copies: on the amx build inside the fused step (on its bf16 tiles, up to BF16_TILES_MAX_ROWS rows), elsewhere in the
     Python model. The prompt's logits stay those of the int4 kernel's fused step within bf16 activations' rounding, and
     the decodes after it run fused."""
@@ -86,9 +87,10 @@ def test_an_int4_engine_with_copies_runs_long_prompts_through_them(monkeypatch, 
     fused = tiny_engine(tiny_tokenizer, **kwargs)
     copies = tiny_engine(tiny_tokenizer, **kwargs, dense_copy_mb=64)
     on_tiles = copies.fused.isa == "amx"
-    assert fused.fused.max_rows > INT4_KERNEL_MAX_ROWS
-    assert copies.fused.max_rows == (BF16_TILES_MAX_ROWS if on_tiles else INT4_KERNEL_MAX_ROWS)
-    prompt = list(range(40, 40 + INT4_KERNEL_MAX_ROWS + 36))
+    kernel_max_rows = int4_kernel_max_rows()
+    assert fused.fused.max_rows > kernel_max_rows
+    assert copies.fused.max_rows == (BF16_TILES_MAX_ROWS if on_tiles else kernel_max_rows)
+    prompt = list(range(40, 40 + kernel_max_rows + 36))
     (want, want_seq), (got, got_seq) = fused.prefill(prompt), copies.prefill(prompt)
     assert F.cosine_similarity(want.float(), got.float(), dim=-1).min() >= 0.999
     assert int(want.argmax()) == int(got.argmax())
@@ -102,7 +104,7 @@ def test_an_int4_engine_with_copies_runs_long_prompts_through_them(monkeypatch, 
     for layer in copies.model.modules():
         if isinstance(layer, Int4GroupLinear) and layer.dense is not None:
             layer.dense.zero_()
-    for start, length, close in ((150, 10, True), (141, INT4_KERNEL_MAX_ROWS + 36, False)):
+    for start, length, close in ((150, 10, True), (141, kernel_max_rows + 36, False)):
         prompt = list(range(start, start + length))
         (want, want_seq), (got, got_seq) = fused.prefill(prompt), copies.prefill(prompt)
         assert (F.cosine_similarity(want.float(), got.float(), dim=-1).min() >= 0.999) == close

@@ -6,8 +6,8 @@ GEMV_MAX_ROWS rows (measured on the whole model's layers, AVX-512, one thread: b
 tok/s, at 256 rows 291 vs 541), so the Python model's plain layers keep it there; quantized layers take
 the kernel at any number of rows unless they hold a dense copy: int8 beyond GEMV_MAX_ROWS, on the amx build
 beyond INT8_TILES_MAX_ROWS (int8 at 256 rows: 400 tok/s against `_weight_int8pack_mm`'s 205), int4 beyond
-INT4_KERNEL_MAX_ROWS and only on AMX CPUs (elsewhere its many-row kernel outruns oneDNN's bf16 GEMM over a copy:
-fused_decode.py).
+INT4_KERNEL_MAX_ROWS (on the amx build INT4_KERNEL_MAX_ROWS_AMX) and only on AMX CPUs (elsewhere its many-row
+kernel outruns oneDNN's bf16 GEMM over a copy: fused_decode.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ GEMV_MAX_ROWS = 8  # rows up to which the kernel runs a dense layer (csrc/gemv.h
 # int4 prompt on an AMX Xeon, fused kernel vs the Python model over bf16 copies (oneDNN on AMX tiles), tok/s: 16
 # tokens 1,213 vs 497, 32 1,318 vs 883, 64 1,404 vs 1,463, 128 1,390 vs 2,187, 512 1,101 vs 3,333
 INT4_KERNEL_MAX_ROWS = 64
+# the same on the amx build, whose fused step multiplies the copies on its own tiles (fused_decode.py: dense_from_rows).
+# SmolLM2 int4 steps on the AMX Xeon, 2 threads, the int4 kernel vs the copies, alternated in one process, ms: a prompt
+# chunk of 33 rows 20.6 vs 17.6, 40 24.1 vs 18.7, 48 28.8 vs 20.1, 64 38.6 vs 23.1; decodes of as many sequences at 150
+# positions (attention and the LM head alike in both) 33 29.8 vs 31.5, 36 31.9 vs 32.4, 40 35.1 vs 33.7, 64 54.9 vs 44.4
+INT4_KERNEL_MAX_ROWS_AMX = 32
 # rows up to which a bf16 model's step stays on the fused kernel on AMX CPUs (larger ones: the Python model, whose
 # F.linear runs oneDNN's GEMM on the tiles). SmolLM2 bf16 prompt on an AMX Xeon, fused vs Python, tok/s: 16 tokens
 # 618 vs 474, 32 702 vs 877, 64 781 vs 1,372, 128 840 vs 2,174, 512 787 vs 3,429
@@ -59,6 +64,12 @@ def int8_kernel_max_rows() -> int:
     """Rows up to which an int8 layer holding a dense copy still takes the kernel, on the build this process runs."""
     isa = active_isa()
     return INT8_TILES_MAX_ROWS if isa is not None and isa.tiles else GEMV_MAX_ROWS
+
+
+def int4_kernel_max_rows() -> int:
+    """Rows up to which an int4 layer holding a bf16 copy still takes the kernel, on the build this process runs."""
+    isa = active_isa()
+    return INT4_KERNEL_MAX_ROWS_AMX if isa is not None and isa.tiles else INT4_KERNEL_MAX_ROWS
 
 
 def quantized_max_rows(layer: DenseCopyLayer) -> int | None:

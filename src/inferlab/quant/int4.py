@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from inferlab.errors import QuantizationError
 from inferlab.kernels.aten import int4_layout, int4_mm, int4_tiles_fit, int4pack_scales_and_zeros, to_int4pack
 from inferlab.kernels.build import int4_tile_rows
-from inferlab.kernels.gemv import INT4_KERNEL_MAX_ROWS, gemv, gemv_fits, prepared_input, quantized_max_rows
+from inferlab.kernels.gemv import gemv, gemv_fits, int4_kernel_max_rows, prepared_input, quantized_max_rows
 from inferlab.kernels.isa import amx_bf16_usable
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
@@ -178,7 +178,10 @@ class Int4GroupLinear(nn.Module):
         return KernelWeights("int4", self.weight, self.scales, self.mins, self.bias, self.group_size)
 
     fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_glu
-    kernel_max_rows = INT4_KERNEL_MAX_ROWS  # kernels/layer.py's DenseCopyLayer
+
+    @property
+    def kernel_max_rows(self) -> int:  # kernels/layer.py's DenseCopyLayer
+        return int4_kernel_max_rows()
 
     def dense_copy_pays(self, dtype: torch.dtype) -> bool:
         """Only a bf16 copy on an AMX CPU: there oneDNN's GEMM beats the int4 kernel's from ~64 rows (prompts of 512
