@@ -168,8 +168,20 @@ def test_the_profile_phases_count_every_weight_of_the_step_once():
 
 @pytest.mark.slow
 def test_profile_gives_the_fused_phases_their_weight_streaming_rate(tmp_path: Path):
-    result = one_ok_result(tmp_path, "study=profile", "size=smoke", "precision=int8", "study.top_ops=40")
-    rows = {row["op"]: row for row in result["rows"]}
+    result = one_ok_result(
+        tmp_path, "study=profile", "size=smoke", "precision=int8", "study.top_ops=40", "study.sequences=[2,1]"
+    )
+    one, two = ([row for row in result["rows"] if row["sequences"] == n] for n in (1, 2))  # 1 first, whatever the order
+    assert one and two and result["rows"] == one + two
+    step_ms = {n: rows[0]["step_ms"] for n, rows in ((1, one), (2, two))}
+    assert all(row["step_ms"] == step_ms[row["sequences"]] > 0 for row in one + two)
+    ms_with_one = {row["op"]: row["self_ms_per_step"] for row in one}
+    for row in two:  # each op against its own cost with one sequence; the ceiling from the whole steps
+        assert row["speedup_ceiling"] == pytest.approx(2 * step_ms[1] / step_ms[2])
+        if row["op"] in ms_with_one:
+            assert row["vs_one_sequence"] == pytest.approx(row["self_ms_per_step"] / ms_with_one[row["op"]])
+    assert one[0]["speedup_ceiling"] == pytest.approx(1)
+    rows = {row["op"]: row for row in one}
     phases = {op for op in rows if op.startswith("decode_step: ")}
     assert "decode_step: norm+lm_head" in phases and "decode_step: norm+w13" in phases
     for op, row in rows.items():

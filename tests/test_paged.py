@@ -7,6 +7,7 @@ from inferlab.engine.block_manager import BlockManager, BlockTable
 from inferlab.engine.flat import FlatAttend, FlatBatch, Segment
 from inferlab.engine.kv_cache import CachedAttend, KVCache, compute_kv_cache_bytes
 from inferlab.engine.paged import PagedKVCache, blocks_for_budget, forward_paged
+from inferlab.engine.single import forward_together
 
 CPU = torch.device("cpu")
 
@@ -70,6 +71,30 @@ def test_batched_paged_forward_matches_single_requests_at_every_step(tiny_tokeni
         )  # one batched decode, four lengths
         for table, seq_tokens in zip(tables, tokens):
             blocks.advance(table, seq_tokens, 1)
+
+
+def test_paged_sequences_decoding_together_match_each_decoding_alone(tiny_tokenizer):
+    """forward_together (the profile study's batched steps): one flat forward for every sequence's next token gives
+    each the logits its own decode steps give on the contiguous engine; their blocks all go back on release."""
+    engine = tiny_engine(tiny_tokenizer, "paged")
+    reference = tiny_engine(tiny_tokenizer, "contiguous", slots=1)  # same seed: same weights
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 33)]
+    seqs, firsts = zip(*[engine.prefill(p, reserve_tokens=8)[::-1] for p in prompts])
+    logits = torch.stack(firsts)
+    together = [logits]
+    for _ in range(6):
+        logits = forward_together(list(seqs), [[int(torch.argmax(row))] for row in logits])
+        together.append(logits)
+    for b, prompt in enumerate(prompts):
+        want, seq = reference.prefill(prompt)
+        for step in together:
+            torch.testing.assert_close(step[b], want, atol=1e-5, rtol=0)
+            want = reference.decode_step(int(torch.argmax(want)), seq)
+        seq.release()
+    assert [s.length for s in seqs] == [len(p) + 6 for p in prompts]
+    for seq in seqs:
+        seq.release()
+    assert not any(engine.blocks.ref_counts)
 
 
 def test_paged_engine_generates_what_the_contiguous_engine_generates(tiny_tokenizer):

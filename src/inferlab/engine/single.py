@@ -3,7 +3,8 @@
 A `Sequence` holds one request's KV state: a slot of the contiguous cache, blocks of the paged pool, or
 (cache=none) just its token ids, recomputed in full at every step as the baseline the KV-cache study
 measures against. `InferenceEngine.prefill` / `decode_step` (the contract) drive one; so do the studies
-that time a single stream's steps, and `generate` on the contiguous cache and on cache=none.
+that time a single stream's steps, and `generate` on the contiguous cache and on cache=none. Paged sequences
+also decode together, one flat forward for all (`forward_together`: the profile study's batched steps).
 """
 
 from __future__ import annotations
@@ -128,14 +129,7 @@ class PagedSequence(Sequence):
         self.length = self.kv.num_computed
 
     def forward(self, token_ids: list[int]) -> Tensor:
-        self.token_ids += token_ids
-        if not self.blocks.ensure_room(self.kv, len(self.token_ids)):
-            raise CapacityError("the KV pool ran out of blocks; retry later or raise cache.kv_budget_mb")
-        start = self.kv.num_computed
-        logits = forward_paged(self.model, self.cache, [self.token_ids[start:]], [start], [self.kv.blocks], self.fused)
-        self.blocks.advance(self.kv, self.token_ids, len(self.token_ids) - start)
-        self.length = self.kv.num_computed
-        return logits[0]
+        return forward_together([self], [token_ids])[0]
 
     def verify_rows(self, token_ids: list[int]) -> Tensor:
         """Rows past the kept tokens, in blocks this sequence holds; nothing counted (or findable in the prefix
@@ -154,3 +148,20 @@ class PagedSequence(Sequence):
 
     def release(self) -> None:
         self.blocks.free(self.kv)
+
+
+def forward_together(seqs: list[PagedSequence], token_ids: list[list[int]]) -> Tensor:
+    """Feed each sequence (of one engine's pool) its new tokens, all in one flat forward; each one's last logits
+    (B, vocab). The decode step of several sequences as the engine loop runs it, outside the loop (the profile study)."""
+    for seq, ids in zip(seqs, token_ids):
+        if not seq.blocks.ensure_room(seq.kv, len(seq.token_ids) + len(ids)):
+            raise CapacityError("the KV pool ran out of blocks; retry later or raise cache.kv_budget_mb")
+        seq.token_ids += ids
+    starts = [seq.kv.num_computed for seq in seqs]
+    new_tokens = [seq.token_ids[start:] for seq, start in zip(seqs, starts)]
+    first = seqs[0]
+    logits = forward_paged(first.model, first.cache, new_tokens, starts, [seq.kv.blocks for seq in seqs], first.fused)
+    for seq, start in zip(seqs, starts):
+        seq.blocks.advance(seq.kv, seq.token_ids, len(seq.token_ids) - start)
+        seq.length = seq.kv.num_computed
+    return logits

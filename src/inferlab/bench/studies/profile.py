@@ -1,18 +1,27 @@
-"""profile: torch.profiler over decode steps; the top operators by self time and their share of the total.
+"""profile: torch.profiler over decode steps of 1 and of more sequences decoding together (`study.sequences`);
+the top operators by self time and their share of the total.
 
 The fused step's phases (decode_step.cpp names one profiler range per phase) also get the rate at which
 they streamed their weights, next to the machine's read bandwidth probed right after: how far each
-matrix-vector product is from the memory limit, phase by phase."""
+matrix-vector product is from the memory limit, phase by phase. A step of B sequences is one flat forward
+of B rows, as the engine loop runs it (engine/single.py: forward_together); against the one-sequence step
+of the same job, `vs_one_sequence` is what each phase's step costs more, and `speedup_ceiling` = B x the
+one-sequence step's ms over the B-sequence step's: the most tokens/s that B streams decoding together can
+bring over one stream on this machine, whatever the server around the step does."""
 
 from __future__ import annotations
 
 import torch
 from omegaconf import DictConfig
+from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 from inferlab.api import engine_from_config
-from inferlab.bench.studies import Rows, register
-from inferlab.bench.studies.common import decode_loop, prompt_ids, read_bandwidth_gb_s
+from inferlab.bench.studies import Rows, StudyUnavailable, register
+from inferlab.bench.studies.common import decode_loop, prompt_ids, read_bandwidth_gb_s, sync
+from inferlab.engine.engine import InferenceEngine
+from inferlab.engine.sampling import argmax_rows
+from inferlab.engine.single import PagedSequence, Sequence, forward_together
 from inferlab.model.transformer import Transformer
 from inferlab.quant.apply import module_bytes
 
@@ -38,21 +47,70 @@ def phase_weight_bytes(model: Transformer) -> dict[str, int]:
 @register("profile")
 def run(cfg: DictConfig) -> Rows:
     engine = engine_from_config(cfg)
+    sequences = sorted(int(b) for b in cfg.study.sequences)
+    if max(sequences) > 1 and engine.config.cache_mode != "paged":
+        raise StudyUnavailable("several sequences decode together on the paged cache: use cache=paged")
+    rows: Rows = []
+    one_sequence: dict[str, float] = {}  # op -> its ms per step with one sequence (and "" -> the whole step's)
+    for batch in sequences:
+        prof, steps = profile_steps(cfg, engine, batch)
+        ops, step_ms = profile_rows(cfg, engine, prof, steps)
+        if batch == 1:
+            one_sequence = {row["op"]: row["self_ms_per_step"] for row in ops} | {"": step_ms}
+        for row in ops:
+            row |= {"sequences": batch, "step_ms": step_ms}
+            if one_sequence:
+                row["speedup_ceiling"] = batch * one_sequence[""] / step_ms
+                if row["op"] in one_sequence:
+                    row["vs_one_sequence"] = row["self_ms_per_step"] / one_sequence[row["op"]]
+        rows += ops
+    return rows
+
+
+def profile_steps(cfg: DictConfig, engine: InferenceEngine, batch: int) -> tuple[profile, int]:
+    """torch.profiler over `measure.profile_steps` greedy decode steps of `batch` sequences together (each after its
+    own prompt of `measure.prompt_tokens`, after `measure.warmup` steps outside the profile)."""
     m = cfg.measure
-    steps = int(m.profile_steps)
-    ids = prompt_ids(cfg, engine, int(m.prompt_tokens))
-    warmup = max(int(m.warmup), 1)
+    steps, warmup = int(m.profile_steps), max(int(m.warmup), 1)
     on_cuda = engine.config.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    logits, seq = engine.prefill(ids, reserve_tokens=warmup + steps)
+    seqs: list[Sequence] = []
+    logits: list[Tensor] = []
     try:
-        _, logits = decode_loop(engine, seq, logits, warmup)  # warm-up outside the profile
-        with profile(activities=activities) as prof:
-            decode_loop(engine, seq, logits, steps)
+        for b in range(batch):  # prompts of their own: nothing shared through the prefix cache
+            first, seq = engine.prefill(prompt_ids(cfg, engine, int(m.prompt_tokens), seed=b), warmup + steps)
+            seqs.append(seq)
+            logits.append(first)
+        if batch == 1:
+            _, last = decode_loop(engine, seqs[0], logits[0], warmup)  # warm-up outside the profile
+            with profile(activities=activities) as prof:
+                decode_loop(engine, seqs[0], last, steps)
+        else:
+            paged = [seq for seq in seqs if isinstance(seq, PagedSequence)]  # all of them: cache=paged
+            together = decode_together(engine, paged, torch.stack(logits), warmup)
+            with profile(activities=activities) as prof:
+                decode_together(engine, paged, together, steps)
     finally:
-        seq.release()
-    bandwidth = read_bandwidth_gb_s(int(m.bandwidth_mb), engine.config.device)
+        for seq in seqs:
+            seq.release()
+    return prof, steps
+
+
+def decode_together(engine: InferenceEngine, seqs: list[PagedSequence], logits: Tensor, steps: int) -> Tensor:
+    """`steps` greedy decode steps of every sequence of `seqs` in one forward each, from their `logits` (B, vocab);
+    the last logits."""
+    for _ in range(steps):
+        logits = forward_together(seqs, [[token] for token in argmax_rows(logits)])
+        sync(engine.config.device)
+    return logits
+
+
+def profile_rows(cfg: DictConfig, engine: InferenceEngine, prof: profile, steps: int) -> tuple[Rows, float]:
+    """The `study.top_ops` operators by self time, each with its ms per step (and, for the fused step's phases, the
+    rate at which it streamed its weights against the read bandwidth probed now); and the whole step's ms."""
+    bandwidth = read_bandwidth_gb_s(int(cfg.measure.bandwidth_mb), engine.config.device)
     weight_bytes = phase_weight_bytes(engine.model)
+    on_cuda = engine.config.device.type == "cuda"
     attr = "self_device_time_total" if on_cuda else "self_cpu_time_total"  # microseconds
     events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
     total = sum(getattr(e, attr) for e in events)
@@ -73,4 +131,4 @@ def run(cfg: DictConfig) -> Rows:
             row["weights_gb_s"] = weight_bytes[e.key] / seconds_per_step / 1e9
             row["pct_bandwidth"] = 100.0 * row["weights_gb_s"] / bandwidth
         rows.append(row)
-    return rows
+    return rows, total / 1e3 / steps
