@@ -137,25 +137,28 @@ def test_a_paired_prefill_is_timed_beside_ours_in_turns_and_given_as_its_seconds
 
     def timed(name: str, seconds: float) -> Callable[[list[int]], float]:
         def prefill(ids: list[int]) -> float:
-            calls.append(f"{name} {len(ids)}")
+            calls.append(f"{name} [{ids[0]}]")
             return seconds
 
         return prefill
 
     peer = Peer(lambda ids, n: [], timed("int4", 0.25), 0, "", "amx", ("bf16", timed("bf16", 0.5)))
-    prompts = {4: [1] * 4, 8: [1] * 8}
+    prompts = {4: ([1] * 4, [2] * 4), 8: ([1] * 8, [2] * 8)}
     assert prefill_rates(peer, prompts, index=1) == {
         "prefill_4_tok_s": 16.0,
         "prefill_4_vs_bf16": 2.0,
         "prefill_8_tok_s": 32.0,
         "prefill_8_vs_bf16": 2.0,
     }
-    assert calls == ["int4 4", "bf16 4", "int4 8", "bf16 8"]
+    # ABBA on the two prompts of each length: both engines on both, neither always first nor always last
+    assert calls == ["int4 [1]", "bf16 [1]", "bf16 [2]", "int4 [2]"] + ["int4 [1]", "bf16 [1]", "bf16 [2]", "int4 [2]"]
     calls.clear()
-    prefill_rates(peer, prompts, index=2)  # the next round, bf16 goes first
-    assert calls == ["bf16 4", "int4 4", "bf16 8", "int4 8"]
+    prefill_rates(peer, prompts, index=2)  # the next round, bf16 is A
+    assert calls[:4] == ["bf16 [1]", "int4 [1]", "int4 [2]", "bf16 [2]"]
+    calls.clear()
     alone = Peer(peer.generate, peer.prefill, 0, "", "amx")
     assert prefill_rates(alone, prompts, index=1) == {"prefill_4_tok_s": 16.0, "prefill_8_tok_s": 32.0}
+    assert calls == ["int4 [1]", "int4 [1]"]  # the first prompt of each length only
 
 
 def test_the_profile_phases_count_every_weight_of_the_step_once():

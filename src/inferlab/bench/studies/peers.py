@@ -8,8 +8,8 @@ every engine once (medians over the rounds). The roofline is that bandwidth over
 bytes of weights one decode step reads. inferlab runs once per instruction set of `study.isas` that the CPU
 runs (its kernels' builds, kernels/isa.py), each row naming its set; the peers name what they run on.
 Beside `study.prefill_paired_with` (a precision), the job's own inferlab engine also has its prefill timed
-against that precision's, back to back on the same prompts in every round: `prefill_N_vs_PRECISION` is the
-other's seconds over ours (above 1: ours is faster), a ratio the machine's drift over minutes does not reach.
+against that precision's, back to back on the same two prompts in every round (ABBA): `prefill_N_vs_PRECISION`
+is the other's seconds over ours (above 1: ours is faster), a ratio the machine's drift over minutes does not reach.
 """
 
 from __future__ import annotations
@@ -104,8 +104,12 @@ def run(cfg: DictConfig) -> Rows:
 
     def one_round(index: int) -> tuple[float, Rates]:
         bandwidth = read_bandwidth_gb_s(int(m.bandwidth_mb), engine.config.device)
-        # new prompts every round (seeds from 1: 0 drew the decode prompt), so no engine finds one cached
-        prompts = {n: prompt_ids(cfg, engine, n, seed=index) for n in prefill_lengths}
+        # new prompts every round, two per length (seeds from 1: 0 drew the decode prompt), so no engine finds one
+        # cached; the second only for a paired engine's
+        prompts = {
+            n: (prompt_ids(cfg, engine, n, seed=2 * index - 1), prompt_ids(cfg, engine, n, seed=2 * index))
+            for n in prefill_lengths
+        }
         rates: Rates = {}
         for key, peer in peers.items():
             rates[key] = {"decode_tok_s": decode_rate(peer.generate(ids, int(m.new_tokens)))}
@@ -138,18 +142,21 @@ def run(cfg: DictConfig) -> Rows:
     return rows
 
 
-def prefill_rates(peer: Peer, prompts: dict[int, list[int]], index: int) -> dict[str, float]:
-    """Prefill tok/s at each prompt length; with a paired engine, also its seconds over ours on the same
-    prompt, the two timed back to back (who goes first alternates with the round's index)."""
+def prefill_rates(peer: Peer, prompts: dict[int, tuple[list[int], list[int]]], index: int) -> dict[str, float]:
+    """Prefill tok/s at each prompt length, over the first of its two prompts; with a paired engine, over both, each
+    engine timed on both in the order ABBA (who is A alternates with the round's index: neither always goes first
+    nor meets the machine later), and the paired engine's seconds over ours."""
     rates = {}
-    for n, prompt in prompts.items():
+    for n, (first, second) in prompts.items():
         if peer.paired is None:
-            rates[f"prefill_{n}_tok_s"] = n / peer.prefill(prompt)
+            rates[f"prefill_{n}_tok_s"] = n / peer.prefill(first)
             continue
         precision, paired = peer.paired
-        turns = [peer.prefill, paired] if index % 2 else [paired, peer.prefill]
-        seconds = {prefill: prefill(prompt) for prefill in turns}
-        rates[f"prefill_{n}_tok_s"] = n / seconds[peer.prefill]
+        a, b = (peer.prefill, paired) if index % 2 else (paired, peer.prefill)
+        seconds = {a: a(first), b: b(first)}
+        seconds[b] += b(second)
+        seconds[a] += a(second)
+        rates[f"prefill_{n}_tok_s"] = 2 * n / seconds[peer.prefill]
         rates[f"prefill_{n}_vs_{precision}"] = seconds[paired] / seconds[peer.prefill]
     return rates
 
