@@ -150,6 +150,7 @@ def _table(rows: pd.DataFrame, spec: dict[str, Any], panel: dict[str, Any]) -> t
     series = _present(rows, panel.get("series", spec.get("series"))) if len(ys) == 1 else []
     rows = rows[rows[x].notna()]
     if series:
+        rows = rows[list(dict.fromkeys([x, *series, ys[0]]))]  # the columns drawn only: the frame has hundreds
         table = rows.assign(_series=_key(rows, series, spec)).pivot_table(
             index=x, columns="_series", values=ys[0], aggfunc="median"
         )
