@@ -47,9 +47,8 @@ def bf16_copy(layer: nn.Module) -> Tensor | None:
 def many_rows_limit(model: Transformer, isa: str) -> int:
     """FUSED_MAX_ROWS, or the fewest rows up to which a layer holding a dense copy for many rows still takes the
     kernel (layer.DenseCopyLayer's kernel_max_rows: int8 GEMV_MAX_ROWS, on the amx build INT8_TILES_MAX_ROWS, int4
-    INT4_KERNEL_MAX_ROWS, on the amx build INT4_KERNEL_MAX_ROWS_AMX; oneDNN's bf16 GEMM over the copies is faster beyond; the LM head runs on a step's logit
-    rows only, a few), and for bf16 layers
-    on AMX CPUs BF16_KERNEL_MAX_ROWS (the Python model's F.linear runs oneDNN's GEMM on the tiles), or on the `isa`
+    INT4_KERNEL_MAX_ROWS, on the amx build INT4_KERNEL_MAX_ROWS_AMX; oneDNN's bf16 GEMM over the copies is faster
+    beyond; the LM head runs on a step's logit rows only, a few), and for bf16 layers on AMX CPUs BF16_KERNEL_MAX_ROWS (the Python model's F.linear runs oneDNN's GEMM on the tiles), or on the `isa`
     build that multiplies bf16 on the tiles itself (amx) BF16_TILES_MAX_ROWS. That build's plan also multiplies a
     quantized layer's bf16 copy on the tiles, beyond the rows its kernel takes (dense_from_rows): such layers stay fused
     up to BF16_TILES_MAX_ROWS as well (SmolLM2 int4, prompts of 128 tokens ~1.4x as fast). int4 layers hold
