@@ -192,9 +192,10 @@ def test_real_model_batched_spec_self_gives_spec_off_tokens(precision):
     """SmolLM2, 4 chat prompts together through the engine loop, spec=self (its int4 draft over the target's
     KV) against spec off: the same greedy tokens, the drafts mostly accepted, every block back. Every step on the
     fused step: bf16 numerics differ between it and the Python model (which rounds every activation to bf16), which
-    takes steps beyond the fused step's rows on AMX CPUs (32, or BF16_TILES_MAX_ROWS on the amx build). So steps of at most 32 rows, and no prefix
-    cache: the second run would find its prompts cached and prefill only their last blocks, and how many prompts the
-    loop's first step holds depends on when it starts stepping (all four: 163 rows; one: ~40)."""
+    takes steps beyond the fused step's rows on AMX CPUs (32, or BF16_TILES_MAX_ROWS on the amx build). So steps of
+    at most 32 rows, and no prefix cache: the second run would find its prompts cached and prefill only their last
+    blocks, and how many prompts the loop's first step holds depends on when it starts stepping (all four: 163 rows;
+    one: ~40)."""
     from inferlab.api import load_engine
 
     engine = load_engine(

@@ -159,9 +159,9 @@ class StepCost:
         fastest steps, and past them on the slope of `line` (this cost's fit) from the nearest one (a kernel that
         switches paths past some row count makes a staircase, not a line: fp32 SmolLM2 steps of 8, 9 and 16 rows took
         27.5, 36.5 and 39.3 ms); `line` itself where none is. Below the fewest rows timed, never under that step's
-        share of its rows (a step's fixed cost only raises it): once a loop has drafted for a while only its verifications
-        are timed (tens of rows), and a slope through them can reach 0 s for a plain step of a few rows, which adaptive
-        K divides by (the serving_spec study's bf16 spec=self server: every later step failed)."""
+        share of its rows (a step's fixed cost only raises it): once a loop has drafted for a while only its
+        verifications are timed (tens of rows), and a slope through them can reach 0 s for a plain step of a few rows,
+        which adaptive K divides by (the serving_spec study's bf16 spec=self server: every later step failed)."""
         a, b = line
         knots = sorted(self.points()[1].items())
 

@@ -152,7 +152,8 @@ class PagedSequence(Sequence):
 
 def forward_together(seqs: list[PagedSequence], token_ids: list[list[int]]) -> Tensor:
     """Feed each sequence (of one engine's pool) its new tokens, all in one flat forward; each one's last logits
-    (B, vocab). The decode step of several sequences as the engine loop runs it, outside the loop (the profile study)."""
+    (B, vocab). The decode step of several sequences as the engine loop runs it, outside the loop (the profile
+    study)."""
     for seq, ids in zip(seqs, token_ids):
         if not seq.blocks.ensure_room(seq.kv, len(seq.token_ids) + len(ids)):
             raise CapacityError("the KV pool ran out of blocks; retry later or raise cache.kv_budget_mb")

@@ -48,17 +48,18 @@ def many_rows_limit(model: Transformer, isa: str) -> int:
     """FUSED_MAX_ROWS, or the fewest rows up to which a layer holding a dense copy for many rows still takes the
     kernel (layer.DenseCopyLayer's kernel_max_rows: int8 GEMV_MAX_ROWS, on the amx build INT8_TILES_MAX_ROWS, int4
     INT4_KERNEL_MAX_ROWS, on the amx build INT4_KERNEL_MAX_ROWS_AMX; oneDNN's bf16 GEMM over the copies is faster
-    beyond; the LM head runs on a step's logit rows only, a few), and for bf16 layers on AMX CPUs BF16_KERNEL_MAX_ROWS (the Python model's F.linear runs oneDNN's GEMM on the tiles), or on the `isa`
-    build that multiplies bf16 on the tiles itself (amx) BF16_TILES_MAX_ROWS. That build's plan also multiplies a
-    quantized layer's bf16 copy on the tiles, beyond the rows its kernel takes (dense_from_rows): such layers stay fused
-    up to BF16_TILES_MAX_ROWS as well (SmolLM2 int4, prompts of 128 tokens ~1.4x as fast). int4 layers hold
-    copies only on AMX CPUs; elsewhere every int4 step runs fused. Measured on SmolLM2 (AVX-512 without AMX, one
-    thread), int4 fused against the Python model over dense bf16 copies: 16 rows 25-34 vs 56-64 ms, 32 rows 56-84 vs 92 ms, 64 rows 98-134 vs
-    117-128 ms; batch-1 prompts of 128 tokens 450-570 vs 500-510 tok/s, of 512 420-430 vs 480-530 (oneDNN's
-    GEMM multiplies ~1.3x faster per row than the int16-code kernel; the copies cost 256 MiB). Without AMX bf16
-    weights stay on the fused step though oneDNN is faster there too (361 vs 584, 307 vs 545): its fp32 activations
-    kept mixed steps within the real-model tolerance then, the bf16 Python model did not (on the AMX Xeon the
-    real-model mixed-step test passes with the Python model beyond 32 rows); fp32 354 vs 330, 318 vs 321."""
+    beyond; the LM head runs on a step's logit rows only, a few), and for bf16 layers on AMX CPUs
+    BF16_KERNEL_MAX_ROWS (the Python model's F.linear runs oneDNN's GEMM on the tiles), or on the `isa` build that
+    multiplies bf16 on the tiles itself (amx) BF16_TILES_MAX_ROWS. That build's plan also multiplies a quantized
+    layer's bf16 copy on the tiles, beyond the rows its kernel takes (dense_from_rows): such layers stay fused up to
+    BF16_TILES_MAX_ROWS as well (SmolLM2 int4, prompts of 128 tokens ~1.4x as fast). int4 layers hold copies only on
+    AMX CPUs; elsewhere every int4 step runs fused. Measured on SmolLM2 (AVX-512 without AMX, one thread), int4 fused
+    against the Python model over dense bf16 copies: 16 rows 25-34 vs 56-64 ms, 32 rows 56-84 vs 92 ms, 64 rows
+    98-134 vs 117-128 ms; batch-1 prompts of 128 tokens 450-570 vs 500-510 tok/s, of 512 420-430 vs 480-530
+    (oneDNN's GEMM multiplies ~1.3x faster per row than the int16-code kernel; the copies cost 256 MiB). Without AMX
+    bf16 weights stay on the fused step though oneDNN is faster there too (361 vs 584, 307 vs 545): its fp32
+    activations kept mixed steps within the real-model tolerance then, the bf16 Python model did not (on the AMX Xeon
+    the real-model mixed-step test passes with the Python model beyond 32 rows); fp32 354 vs 330, 318 vs 321."""
     limits = [
         max(m.kernel_max_rows, BF16_TILES_MAX_ROWS) if isa == "amx" and bf16_copy(m) is not None else m.kernel_max_rows
         for m in model.layers.modules()

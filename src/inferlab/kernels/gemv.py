@@ -62,14 +62,18 @@ def gemv_fits(x: Tensor, width: int, max_rows: int | None = GEMV_MAX_ROWS) -> bo
 
 def int8_kernel_max_rows() -> int:
     """Rows up to which an int8 layer holding a dense copy still takes the kernel, on the build this process runs."""
-    isa = active_isa()
-    return INT8_TILES_MAX_ROWS if isa is not None and isa.tiles else GEMV_MAX_ROWS
+    return INT8_TILES_MAX_ROWS if on_tiles_build() else GEMV_MAX_ROWS
 
 
 def int4_kernel_max_rows() -> int:
     """Rows up to which an int4 layer holding a bf16 copy still takes the kernel, on the build this process runs."""
+    return INT4_KERNEL_MAX_ROWS_AMX if on_tiles_build() else INT4_KERNEL_MAX_ROWS
+
+
+def on_tiles_build() -> bool:
+    """This process runs the kernels' build that multiplies on AMX tiles (kernels/isa.py)."""
     isa = active_isa()
-    return INT4_KERNEL_MAX_ROWS_AMX if isa is not None and isa.tiles else INT4_KERNEL_MAX_ROWS
+    return isa is not None and isa.tiles
 
 
 def quantized_max_rows(layer: DenseCopyLayer) -> int | None:
