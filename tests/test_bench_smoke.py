@@ -115,14 +115,14 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
     rows = {row["engine"]: row for row in result["rows"]}
     assert set(rows) == {"inferlab", "transformers", "llama.cpp"}
     assert rows["transformers"]["decode_tok_s"] is None and "no int8 path" in rows["transformers"]["note"]
-    bandwidth = rows["inferlab"]["bandwidth_gb_s"]
-    assert bandwidth > 0 and all(row["bandwidth_gb_s"] == bandwidth for row in rows.values())  # one probe for all
     measured = [row for row in rows.values() if row["decode_tok_s"] is not None]
     assert rows["inferlab"] in measured
-    for row in measured:  # the roofline is the probed bandwidth over the bytes this engine's weights take
-        assert row["roofline_tok_s"] == pytest.approx(bandwidth * 1e9 / (row["weight_mb"] * 2**20))
+    for row in measured:  # the roofline: the bandwidth probed over a buffer of this engine's weight bytes, over them
+        assert row["bandwidth_gb_s"] > 0
+        assert row["roofline_tok_s"] == pytest.approx(row["bandwidth_gb_s"] * 1e9 / (row["weight_mb"] * 2**20))
         assert row["pct_roofline"] == pytest.approx(100 * row["decode_tok_s"] / row["roofline_tok_s"])
         assert row["prefill_32_tok_s"] > 0  # a prefill column per prompt length, per engine
+    assert len({row["bandwidth_gb_s"] for row in inferlab}) == 1  # one weight size, one probe for every build
     # the job's own build alone is paired with the same engine at bf16, on the same prompts
     assert inferlab[0]["prefill_32_vs_bf16"] > 0
     assert all("prefill_32_vs_bf16" not in row for row in result["rows"] if row is not inferlab[0])
@@ -184,6 +184,18 @@ def test_profile_gives_the_fused_phases_their_weight_streaming_rate(tmp_path: Pa
         if row["op"] in ms_with_one:
             assert row["vs_one_sequence"] == pytest.approx(row["self_ms_per_step"] / ms_with_one[row["op"]])
     assert one[0]["speedup_ceiling"] == pytest.approx(1)
+    floor = {}  # what memory allows each step: its working set at the bandwidth a buffer that size reads
+    for n, rows in ((1, one), (2, two)):
+        memory = {key: rows[0][key] for key in ("working_set_mb", "working_set_gb_s", "memory_floor_ms")}
+        assert all({key: row[key] for key in memory} == memory for row in rows)
+        assert memory["working_set_mb"] > 0 and memory["working_set_gb_s"] > 0
+        assert memory["memory_floor_ms"] == pytest.approx(
+            memory["working_set_mb"] * 2**20 / memory["working_set_gb_s"] / 1e6
+        )
+        floor[n] = memory
+    assert floor[2]["working_set_mb"] > floor[1]["working_set_mb"]  # one more sequence's KV
+    assert one[0]["memory_ceiling"] == pytest.approx(1)
+    assert two[0]["memory_ceiling"] == pytest.approx(2 * floor[1]["memory_floor_ms"] / floor[2]["memory_floor_ms"])
     rows = {row["op"]: row for row in one}
     phases = {op for op in rows if op.startswith("decode_step: ")}
     assert "decode_step: norm+lm_head" in phases and "decode_step: norm+w13" in phases
@@ -192,7 +204,7 @@ def test_profile_gives_the_fused_phases_their_weight_streaming_rate(tmp_path: Pa
         assert ("weights_gb_s" in row) == streams_weights, op
         if streams_weights:
             assert row["bandwidth_gb_s"] > 0 and row["weights_gb_s"] > 0
-            assert row["pct_bandwidth"] == pytest.approx(100 * row["weights_gb_s"] / row["bandwidth_gb_s"])
+            assert row["pct_bandwidth"] == pytest.approx(100 * row["weights_gb_s"] / row["working_set_gb_s"])
 
 
 @pytest.mark.slow

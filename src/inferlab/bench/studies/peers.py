@@ -3,9 +3,10 @@
 Every engine is timed the same way: token arrival times while generating `new_tokens` greedy tokens after
 the same prompt ids, decode rate = (n - 1) / (t_last - t_first), and the seconds one forward over a prompt
 of each `study.prefill_tokens` length takes (prefill rate = its tokens / those seconds; every round draws new
-prompts, so no engine finds one cached), in rounds that probe the machine's read bandwidth and then run
-every engine once (medians over the rounds). The roofline is that bandwidth over the
-bytes of weights one decode step reads. inferlab runs once per instruction set of `study.isas` that the CPU
+prompts, so no engine finds one cached), in rounds that probe the read bandwidth a buffer of each engine's
+weight bytes gets (weights that fit the last-level cache read faster than ones that do not) and then run every
+engine once (medians over the rounds). The roofline is that bandwidth over the bytes of weights one decode step
+reads. inferlab runs once per instruction set of `study.isas` that the CPU
 runs (its kernels' builds, kernels/isa.py), each row naming its set; the peers name what they run on.
 Beside `study.prefill_paired_with` (a precision), the job's own inferlab engine also has its prefill timed
 against that precision's, back to back on the same two prompts in every round (ABBA): `prefill_N_vs_PRECISION`
@@ -98,12 +99,14 @@ def run(cfg: DictConfig) -> Rows:
             except StudyUnavailable as e:
                 unavailable.append({"engine": name, "decode_tok_s": None, "note": str(e)})
 
-    # Round robin: each round probes the bandwidth, then runs every engine once, so the probe and all
-    # engines see the same states of a shared machine (its speed drifts by tens of percent over minutes).
+    # Round robin: each round probes the bandwidth of every engine's weight size, then runs every engine once, so the
+    # probes and all engines see the same states of a shared machine (its speed drifts by tens of percent over
+    # minutes).
     Rates = dict[tuple[str, str | None], dict[str, float]]
+    sizes = sorted({peer.weight_bytes for peer in peers.values()})
 
-    def one_round(index: int) -> tuple[float, Rates]:
-        bandwidth = read_bandwidth_gb_s(int(m.bandwidth_mb), engine.config.device)
+    def one_round(index: int) -> tuple[dict[int, float], Rates]:
+        bandwidth = {size: read_bandwidth_gb_s(size / 2**20, engine.config.device) for size in sizes}
         # new prompts every round, two per length (seeds from 1: 0 drew the decode prompt), so no engine finds one
         # cached; the second only for a paired engine's
         prompts = {
@@ -121,10 +124,10 @@ def run(cfg: DictConfig) -> Rows:
         one_round(i)
     repeats = progress(range(warmup + 1, warmup + 1 + int(m.repeats)), f"peers {cfg.precision.name} rounds")
     rounds = [one_round(i) for i in repeats]
-    bandwidth = statistics.median(b for b, _ in rounds)
-    rows = [{**row, "bandwidth_gb_s": bandwidth, **common} for row in unavailable]
+    rows = [{**row, **common} for row in unavailable]
     for key, peer in peers.items():
         medians = {column: statistics.median(rates[key][column] for _, rates in rounds) for column in rounds[0][1][key]}
+        bandwidth = statistics.median(probes[peer.weight_bytes] for probes, _ in rounds)
         roofline = bandwidth * 1e9 / peer.weight_bytes
         rows.append(
             {

@@ -2,12 +2,18 @@
 the top operators by self time and their share of the total.
 
 The fused step's phases (decode_step.cpp names one profiler range per phase) also get the rate at which
-they streamed their weights, next to the machine's read bandwidth probed right after: how far each
+they streamed their weights, as a share of the read bandwidth the step's working set gets (below): how far each
 matrix-vector product is from the memory limit, phase by phase. A step of B sequences is one flat forward
 of B rows, as the engine loop runs it (engine/single.py: forward_together); against the one-sequence step
 of the same job, `vs_one_sequence` is what each phase's step costs more, and `speedup_ceiling` = B x the
 one-sequence step's ms over the B-sequence step's: the most tokens/s that B streams decoding together can
-bring over one stream on this machine, whatever the server around the step does."""
+bring over one stream on this machine, whatever the server around the step does.
+
+What memory allows each step: its working set (the weights its phases read and its sequences' KV, at their mean
+length over the profiled steps) and the read bandwidth over a buffer of that size (a set that fits the last-level
+cache reads much faster than one that does not), hence `memory_floor_ms`, the step's ms at that bandwidth, and
+`memory_ceiling` = B x the one-sequence floor over the B-sequence floor: what B streams could bring over one if
+every step ran at the pace of the memory its working set lives in."""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from inferlab.api import engine_from_config
 from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.bench.studies.common import decode_loop, prompt_ids, read_bandwidth_gb_s, sync
 from inferlab.engine.engine import InferenceEngine
+from inferlab.engine.kv_cache import compute_kv_cache_bytes
 from inferlab.engine.sampling import argmax_rows
 from inferlab.engine.single import PagedSequence, Sequence, forward_together
 from inferlab.model.transformer import Transformer
@@ -52,19 +59,38 @@ def run(cfg: DictConfig) -> Rows:
         raise StudyUnavailable("several sequences decode together on the paged cache: use cache=paged")
     rows: Rows = []
     one_sequence: dict[str, float] = {}  # op -> its ms per step with one sequence (and "" -> the whole step's)
+    one_floor_ms = 0.0  # the one-sequence step's memory floor
     for batch in sequences:
         prof, steps = profile_steps(cfg, engine, batch)
-        ops, step_ms = profile_rows(cfg, engine, prof, steps)
+        memory = memory_floor(cfg, engine, batch)
+        ops, step_ms = profile_rows(cfg, engine, prof, steps, memory["working_set_gb_s"])
         if batch == 1:
             one_sequence = {row["op"]: row["self_ms_per_step"] for row in ops} | {"": step_ms}
+            one_floor_ms = memory["memory_floor_ms"]
         for row in ops:
-            row |= {"sequences": batch, "step_ms": step_ms}
+            row |= {"sequences": batch, "step_ms": step_ms, **memory}
             if one_sequence:
                 row["speedup_ceiling"] = batch * one_sequence[""] / step_ms
+                row["memory_ceiling"] = batch * one_floor_ms / memory["memory_floor_ms"]
                 if row["op"] in one_sequence:
                     row["vs_one_sequence"] = row["self_ms_per_step"] / one_sequence[row["op"]]
         rows += ops
     return rows
+
+
+def memory_floor(cfg: DictConfig, engine: InferenceEngine, batch: int) -> dict[str, float]:
+    """A step of `batch` sequences' working set (its phases' weights and the sequences' KV at their mean length over
+    the profiled steps), the read bandwidth over a buffer of that size, and the step's ms at that bandwidth."""
+    m = cfg.measure
+    mean_length = int(m.prompt_tokens) + max(int(m.warmup), 1) + (int(m.profile_steps) + 1) // 2
+    kv = compute_kv_cache_bytes(engine.model.config, batch, mean_length, engine.config.cache_dtype)
+    working_set = sum(phase_weight_bytes(engine.model).values()) + kv
+    bandwidth = read_bandwidth_gb_s(working_set / 2**20, engine.config.device)
+    return {
+        "working_set_mb": working_set / 2**20,
+        "working_set_gb_s": bandwidth,
+        "memory_floor_ms": working_set / bandwidth / 1e6,
+    }
 
 
 def profile_steps(cfg: DictConfig, engine: InferenceEngine, batch: int) -> tuple[profile, int]:
@@ -105,9 +131,12 @@ def decode_together(engine: InferenceEngine, seqs: list[PagedSequence], logits: 
     return logits
 
 
-def profile_rows(cfg: DictConfig, engine: InferenceEngine, prof: profile, steps: int) -> tuple[Rows, float]:
+def profile_rows(
+    cfg: DictConfig, engine: InferenceEngine, prof: profile, steps: int, working_set_gb_s: float
+) -> tuple[Rows, float]:
     """The `study.top_ops` operators by self time, each with its ms per step (and, for the fused step's phases, the
-    rate at which it streamed its weights against the read bandwidth probed now); and the whole step's ms."""
+    rate at which it streamed its weights, and that as a share of `working_set_gb_s`, the read bandwidth of the
+    step's working set); the memory's bandwidth probed now beside them; and the whole step's ms."""
     bandwidth = read_bandwidth_gb_s(int(cfg.measure.bandwidth_mb), engine.config.device)
     weight_bytes = phase_weight_bytes(engine.model)
     on_cuda = engine.config.device.type == "cuda"
@@ -129,6 +158,6 @@ def profile_rows(cfg: DictConfig, engine: InferenceEngine, prof: profile, steps:
         }
         if e.key in weight_bytes:
             row["weights_gb_s"] = weight_bytes[e.key] / seconds_per_step / 1e9
-            row["pct_bandwidth"] = 100.0 * row["weights_gb_s"] / bandwidth
+            row["pct_bandwidth"] = 100.0 * row["weights_gb_s"] / working_set_gb_s
         rows.append(row)
     return rows, total / 1e3 / steps
