@@ -7,15 +7,21 @@ matrix-vector product is from the memory limit, phase by phase. A step of B sequ
 of B rows, as the engine loop runs it (engine/single.py: forward_together); against the one-sequence step
 of the same job, `vs_one_sequence` is what each phase's step costs more, and `speedup_ceiling` = B x the
 one-sequence step's ms over the B-sequence step's: the most tokens/s that B streams decoding together can
-bring over one stream on this machine, whatever the server around the step does.
+bring over one stream on this machine, whatever the server around the step does. Each step's ms is the median of
+timed steps outside the profiler, every batch size's in runs of RUN_STEPS alternating with the others' (a burst of
+other load on a shared machine would otherwise land on one size only).
 
 What memory allows each step: its working set (the weights its phases read and its sequences' KV, at their mean
-length over the profiled steps) and the read bandwidth over a buffer of that size (a set that fits the last-level
-cache reads much faster than one that does not), hence `memory_floor_ms`, the step's ms at that bandwidth, and
-`memory_ceiling` = B x the one-sequence floor over the B-sequence floor: what B streams could bring over one if
-every step ran at the pace of the memory its working set lives in."""
+length over the timed and profiled steps) and the read bandwidth over a buffer of that size (a set that fits the
+last-level cache reads much faster than one that does not), hence `memory_floor_ms`, the step's ms at that
+bandwidth, and `memory_ceiling` = B x the one-sequence floor over the B-sequence floor: what B streams could bring
+over one if every step ran at the pace of the memory its working set lives in."""
 
 from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
@@ -24,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from inferlab.api import engine_from_config
 from inferlab.bench.studies import Rows, StudyUnavailable, register
-from inferlab.bench.studies.common import decode_loop, prompt_ids, read_bandwidth_gb_s, sync
+from inferlab.bench.studies.common import prompt_ids, read_bandwidth_gb_s, sync
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.kv_cache import compute_kv_cache_bytes
 from inferlab.engine.sampling import argmax_rows
@@ -51,38 +57,116 @@ def phase_weight_bytes(model: Transformer) -> dict[str, int]:
     return phases
 
 
+RUN_STEPS = 4  # timed steps of one batch size before the next size's (the first of a run finds a cache the other
+# size's working set has stirred; the median over every run's steps does not see it)
+
+
+@dataclass
+class Decoding:
+    """`seqs` decoding greedy tokens together, one flat forward a step (one sequence: the engine's decode step)."""
+
+    engine: InferenceEngine
+    seqs: list[Sequence]
+    logits: Tensor  # (len(seqs), vocab): their last step's
+
+    def step(self) -> float:
+        """One step of every sequence; its seconds."""
+        tokens = argmax_rows(self.logits)  # as the engine's greedy sampling picks them, outside the timing
+        paged = [seq for seq in self.seqs if isinstance(seq, PagedSequence)]  # several: all of them (cache=paged)
+        start = time.perf_counter()
+        if len(self.seqs) == 1:
+            self.logits = self.engine.decode_step(tokens[0], self.seqs[0])[None]
+        else:
+            self.logits = forward_together(paged, [[token] for token in tokens])
+        sync(self.engine.config.device)
+        return time.perf_counter() - start
+
+
 @register("profile")
 def run(cfg: DictConfig) -> Rows:
     engine = engine_from_config(cfg)
     sequences = sorted(int(b) for b in cfg.study.sequences)
     if max(sequences) > 1 and engine.config.cache_mode != "paged":
         raise StudyUnavailable("several sequences decode together on the paged cache: use cache=paged")
-    rows: Rows = []
-    one_sequence: dict[str, float] = {}  # op -> its ms per step with one sequence (and "" -> the whole step's)
-    one_floor_ms = 0.0  # the one-sequence step's memory floor
-    for batch in sequences:
-        prof, steps = profile_steps(cfg, engine, batch)
-        memory = memory_floor(cfg, engine, batch)
-        ops, step_ms = profile_rows(cfg, engine, prof, steps, memory["working_set_gb_s"])
-        if batch == 1:
-            one_sequence = {row["op"]: row["self_ms_per_step"] for row in ops} | {"": step_ms}
-            one_floor_ms = memory["memory_floor_ms"]
-        for row in ops:
-            row |= {"sequences": batch, "step_ms": step_ms, **memory}
-            if one_sequence:
-                row["speedup_ceiling"] = batch * one_sequence[""] / step_ms
-                row["memory_ceiling"] = batch * one_floor_ms / memory["memory_floor_ms"]
-                if row["op"] in one_sequence:
-                    row["vs_one_sequence"] = row["self_ms_per_step"] / one_sequence[row["op"]]
-        rows += ops
+    m = cfg.measure
+    steps, warmup = int(m.profile_steps), max(int(m.warmup), 1)
+    decodings: dict[int, Decoding] = {}
+    try:
+        for batch in sequences:  # prompts of their own: nothing shared through the prefix cache
+            decodings[batch] = start_decoding(cfg, engine, batch, len(decodings) * max(sequences), warmup + 2 * steps)
+        step_ms = timed_steps(decodings, warmup, steps)
+        rows: Rows = []
+        one_sequence: dict[str, float] = {}  # op -> its ms per step with one sequence (and "" -> the whole step's)
+        one_floor_ms = 0.0  # the one-sequence step's memory floor
+        for batch, decoding in decodings.items():
+            prof = profiled(decoding, steps)
+            memory = memory_floor(cfg, engine, batch)
+            ops = profile_rows(cfg, engine, prof, steps, memory["working_set_gb_s"])
+            if batch == 1:
+                one_sequence = {row["op"]: row["self_ms_per_step"] for row in ops} | {"": step_ms[batch]}
+                one_floor_ms = memory["memory_floor_ms"]
+            for row in ops:
+                row |= {"sequences": batch, "step_ms": step_ms[batch], **memory}
+                if one_sequence:
+                    row["speedup_ceiling"] = batch * one_sequence[""] / step_ms[batch]
+                    row["memory_ceiling"] = batch * one_floor_ms / memory["memory_floor_ms"]
+                    if row["op"] in one_sequence:
+                        row["vs_one_sequence"] = row["self_ms_per_step"] / one_sequence[row["op"]]
+            rows += ops
+    finally:
+        for decoding in decodings.values():
+            for seq in decoding.seqs:
+                seq.release()
     return rows
+
+
+def start_decoding(cfg: DictConfig, engine: InferenceEngine, batch: int, first_seed: int, steps: int) -> Decoding:
+    """`batch` sequences after prompts of `measure.prompt_tokens` of their own (seeds first_seed on), with room for
+    `steps` decode steps."""
+    seqs: list[Sequence] = []
+    logits: list[Tensor] = []
+    try:
+        for b in range(batch):
+            ids = prompt_ids(cfg, engine, int(cfg.measure.prompt_tokens), seed=first_seed + b)
+            first, seq = engine.prefill(ids, steps)
+            seqs.append(seq)
+            logits.append(first)
+    except BaseException:
+        for seq in seqs:
+            seq.release()
+        raise
+    return Decoding(engine, seqs, torch.stack(logits))
+
+
+def timed_steps(decodings: dict[int, Decoding], warmup: int, steps: int) -> dict[int, float]:
+    """After `warmup` steps each, `steps` timed steps of every decoding, in runs of RUN_STEPS that alternate between
+    them (which goes first alternating too); the median ms of each one's steps."""
+    times: dict[int, list[float]] = {batch: [] for batch in decodings}
+    for decoding in decodings.values():
+        for _ in range(warmup):
+            decoding.step()
+    order = list(decodings)
+    for run in range(-(-steps // RUN_STEPS)):
+        for batch in order if run % 2 == 0 else order[::-1]:
+            times[batch] += [decodings[batch].step() for _ in range(min(RUN_STEPS, steps - run * RUN_STEPS))]
+    return {batch: 1e3 * statistics.median(t) for batch, t in times.items()}
+
+
+def profiled(decoding: Decoding, steps: int) -> profile:
+    """torch.profiler over `steps` steps of `decoding`."""
+    on_cuda = decoding.engine.config.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])) as prof:
+        for _ in range(steps):
+            decoding.step()
+    return prof
 
 
 def memory_floor(cfg: DictConfig, engine: InferenceEngine, batch: int) -> dict[str, float]:
     """A step of `batch` sequences' working set (its phases' weights and the sequences' KV at their mean length over
-    the profiled steps), the read bandwidth over a buffer of that size, and the step's ms at that bandwidth."""
+    the timed and profiled steps), the read bandwidth over a buffer of that size, and the step's ms at that
+    bandwidth."""
     m = cfg.measure
-    mean_length = int(m.prompt_tokens) + max(int(m.warmup), 1) + (int(m.profile_steps) + 1) // 2
+    mean_length = int(m.prompt_tokens) + max(int(m.warmup), 1) + int(m.profile_steps)  # timed, then profiled steps
     kv = compute_kv_cache_bytes(engine.model.config, batch, mean_length, engine.config.cache_dtype)
     working_set = sum(phase_weight_bytes(engine.model).values()) + kv
     bandwidth = read_bandwidth_gb_s(working_set / 2**20, engine.config.device)
@@ -93,50 +177,10 @@ def memory_floor(cfg: DictConfig, engine: InferenceEngine, batch: int) -> dict[s
     }
 
 
-def profile_steps(cfg: DictConfig, engine: InferenceEngine, batch: int) -> tuple[profile, int]:
-    """torch.profiler over `measure.profile_steps` greedy decode steps of `batch` sequences together (each after its
-    own prompt of `measure.prompt_tokens`, after `measure.warmup` steps outside the profile)."""
-    m = cfg.measure
-    steps, warmup = int(m.profile_steps), max(int(m.warmup), 1)
-    on_cuda = engine.config.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    seqs: list[Sequence] = []
-    logits: list[Tensor] = []
-    try:
-        for b in range(batch):  # prompts of their own: nothing shared through the prefix cache
-            first, seq = engine.prefill(prompt_ids(cfg, engine, int(m.prompt_tokens), seed=b), warmup + steps)
-            seqs.append(seq)
-            logits.append(first)
-        if batch == 1:
-            _, last = decode_loop(engine, seqs[0], logits[0], warmup)  # warm-up outside the profile
-            with profile(activities=activities) as prof:
-                decode_loop(engine, seqs[0], last, steps)
-        else:
-            paged = [seq for seq in seqs if isinstance(seq, PagedSequence)]  # all of them: cache=paged
-            together = decode_together(engine, paged, torch.stack(logits), warmup)
-            with profile(activities=activities) as prof:
-                decode_together(engine, paged, together, steps)
-    finally:
-        for seq in seqs:
-            seq.release()
-    return prof, steps
-
-
-def decode_together(engine: InferenceEngine, seqs: list[PagedSequence], logits: Tensor, steps: int) -> Tensor:
-    """`steps` greedy decode steps of every sequence of `seqs` in one forward each, from their `logits` (B, vocab);
-    the last logits."""
-    for _ in range(steps):
-        logits = forward_together(seqs, [[token] for token in argmax_rows(logits)])
-        sync(engine.config.device)
-    return logits
-
-
-def profile_rows(
-    cfg: DictConfig, engine: InferenceEngine, prof: profile, steps: int, working_set_gb_s: float
-) -> tuple[Rows, float]:
+def profile_rows(cfg: DictConfig, engine: InferenceEngine, prof: profile, steps: int, working_set_gb_s: float) -> Rows:
     """The `study.top_ops` operators by self time, each with its ms per step (and, for the fused step's phases, the
     rate at which it streamed its weights, and that as a share of `working_set_gb_s`, the read bandwidth of the
-    step's working set); the memory's bandwidth probed now beside them; and the whole step's ms."""
+    step's working set); the memory's bandwidth probed now beside them."""
     bandwidth = read_bandwidth_gb_s(int(cfg.measure.bandwidth_mb), engine.config.device)
     weight_bytes = phase_weight_bytes(engine.model)
     on_cuda = engine.config.device.type == "cuda"
@@ -160,4 +204,4 @@ def profile_rows(
             row["weights_gb_s"] = weight_bytes[e.key] / seconds_per_step / 1e9
             row["pct_bandwidth"] = 100.0 * row["weights_gb_s"] / working_set_gb_s
         rows.append(row)
-    return rows, total / 1e3 / steps
+    return rows
