@@ -56,20 +56,24 @@ struct KvPool {
     return data + table[l / block_size] * block_stride + h * head_stride + (l % block_size) * row_stride;
   }
 
-  // f(l, row, scale) for positions l = 0..L-1 of head h in order, a block at a time (no division per row);
-  // scale is what the row's stored values are multiplied by: its own for int8 codes, else 1
+  // f(start, rows, n, row_scales) for the blocks of head h's positions 0..L-1 in order: positions start..start+n-1
+  // are the rows from `rows` on, row_stride apart; an int8 pool's scales of them from row_scales on,
+  // scale_row_stride apart (else null)
+  template <typename F>
+  void for_each_block(const int64_t* table, int64_t h, int64_t L, F&& f) const {
+    for (int64_t start = 0, j = 0; start < L; start += block_size, ++j) {
+      const float* row_scales = kInt8 ? scales + table[j] * scale_block_stride + h * scale_head_stride : nullptr;
+      f(start, data + table[j] * block_stride + h * head_stride, std::min(block_size, L - start), row_scales);
+    }
+  }
+
+  // f(l, row, scale) for positions l = 0..L-1 of head h in order (no division per row); scale is what the row's
+  // stored values are multiplied by: its own for int8 codes, else 1
   template <typename F>
   void for_each_row(const int64_t* table, int64_t h, int64_t L, F&& f) const {
-    for (int64_t start = 0, j = 0; start < L; start += block_size, ++j) {
-      const T* row = data + table[j] * block_stride + h * head_stride;
-      const int64_t n = std::min(block_size, L - start);
-      if constexpr (kInt8) {
-        const float* s = scales + table[j] * scale_block_stride + h * scale_head_stride;
-        for (int64_t r = 0; r < n; ++r, row += row_stride) f(start + r, row, s[r * scale_row_stride]);
-      } else {
-        for (int64_t r = 0; r < n; ++r, row += row_stride) f(start + r, row, 1.0f);
-      }
-    }
+    for_each_block(table, h, L, [&](int64_t start, const T* row, int64_t n, const float* row_scales) {
+      for (int64_t r = 0; r < n; ++r, row += row_stride) f(start + r, row, kInt8 ? row_scales[r * scale_row_stride] : 1.0f);
+    });
   }
 
   // x (D,) fp32 stored at position l of head h: converted, or quantized with its scale
@@ -153,29 +157,58 @@ void with_heads(int64_t n, const F& f) {
 // max_score[g] their maximum. V: D / S::N when known at compile time, else 0. With GT and V known, the query rows
 // and maxima here and the value sums of weigh_values stay in registers; with G counted at run time they lived in
 // memory, every update a store and a reload (SmolLM2's 30 layers for 16 sequences at position 160: 2.5-3.2 ms
-// then, 1.6-2.0 ms so; one sequence 0.43 -> 0.32 ms; the same floats, summed in the same order).
+// then, 1.6-2.0 ms so; one sequence 0.43 -> 0.32 ms; the same floats, summed in the same order). Each key's
+// products with a query head are a vector of S::N partial sums; S::N keys' vectors are summed into one vector of
+// their scores at once (S::sums), not each across its own lanes (a horizontal sum per key and head).
 template <typename S, int V_, int GT, typename T>
 void score_heads(const float* q, const KvPool<T>& keys, const int64_t* table, int64_t h, int64_t L, int64_t D,
                  float scale, float* p, float* max_score) {
   const int64_t V = V_ ? V_ : D / S::N;
-  typename S::V qv[GT][V_ ? V_ : kMaxV];
-  float top[GT];
+  typename S::V qv[GT][V_ ? V_ : kMaxV], top[GT];
+  float tail_top[GT];  // over the keys of partial groups (fewer than S::N)
   for (int g = 0; g < GT; ++g) {
     for (int64_t j = 0; j < V; ++j) qv[g][j] = S::mul(S::load(q + g * D + S::N * j), S::set1(scale));
-    top[g] = -std::numeric_limits<float>::infinity();
+    top[g] = S::set1(-std::numeric_limits<float>::infinity());
+    tail_top[g] = -std::numeric_limits<float>::infinity();
   }
-  keys.for_each_row(table, h, L, [&](int64_t l, const T* key, float key_scale) {
-    typename S::V k[V_ ? V_ : kMaxV];
-    for (int64_t j = 0; j < V; ++j) k[j] = S::load(key + S::N * j);
-    for (int g = 0; g < GT; ++g) {
-      typename S::V acc = S::mul(qv[g][0], k[0]);
-      for (int64_t j = 1; j < V; ++j) acc = S::fmadd(qv[g][j], k[j], acc);
-      const float score = S::sum(acc) * key_scale;
-      p[g * L + l] = score;
-      top[g] = std::max(top[g], score);
+  keys.for_each_block(table, h, L, [&](int64_t start, const T* rows, int64_t n, const float* row_scales) {
+    for (int64_t r0 = 0; r0 < n; r0 += S::N) {
+      const int m = static_cast<int>(std::min<int64_t>(S::N, n - r0));
+      typename S::V dots[GT][S::N];  // [g][i]: key r0 + i times query head g, lane by lane
+      for (int i = 0; i < S::N; ++i) {
+        if (i >= m) {
+          for (int g = 0; g < GT; ++g) dots[g][i] = S::zero();
+          continue;
+        }
+        const T* key = rows + (r0 + i) * keys.row_stride;
+        typename S::V k[V_ ? V_ : kMaxV];
+        for (int64_t j = 0; j < V; ++j) k[j] = S::load(key + S::N * j);
+        for (int g = 0; g < GT; ++g) {
+          typename S::V acc = S::mul(qv[g][0], k[0]);
+          for (int64_t j = 1; j < V; ++j) acc = S::fmadd(qv[g][j], k[j], acc);
+          dots[g][i] = acc;
+        }
+      }
+      float key_scales[S::N];  // int8 codes: each key's own scale
+      if constexpr (KvPool<T>::kInt8) {
+        for (int i = 0; i < S::N; ++i) key_scales[i] = i < m ? row_scales[(r0 + i) * keys.scale_row_stride] : 0.0f;
+      }
+      for (int g = 0; g < GT; ++g) {
+        typename S::V scores = S::sums(dots[g]);
+        if constexpr (KvPool<T>::kInt8) scores = S::mul(scores, S::load(key_scales));
+        float* out = p + g * L + start + r0;
+        if (m == S::N) {
+          S::store(out, scores);
+          top[g] = S::max(top[g], scores);
+          continue;
+        }
+        float lanes[S::N];
+        S::store(lanes, scores);
+        for (int i = 0; i < m; ++i) tail_top[g] = std::max(tail_top[g], out[i] = lanes[i]);
+      }
     }
   });
-  std::copy(top, top + GT, max_score);
+  for (int g = 0; g < GT; ++g) max_score[g] = std::max(S::max(top[g]), tail_top[g]);
 }
 
 // Pass 3 for the same tile: out + g * D = (weights p + g * L) @ values * inv_sum[g]

@@ -67,6 +67,18 @@ struct Lanes<8> {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  // lane i: the sum of v[i]'s lanes (i < 8), each summed in the same order whatever the others hold: lanes 2
+  // apart within each 128-bit half, then those pairs, then the halves
+  static V sums(const V* v) {
+    V s[4], u[2];
+    for (int p = 0; p < 4; ++p) {
+      s[p] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm256_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+    }
+    for (int p = 0; p < 2; ++p) {
+      u[p] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * p], s[2 * p + 1], 0x44), _mm256_shuffle_ps(s[2 * p], s[2 * p + 1], 0xEE));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+  }
   static float max(V v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -172,6 +184,19 @@ struct Lanes<16> {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
   }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static V sums(const V* v) {  // as Lanes<8>'s, then the 128-bit quarters in pairs and the pairs
+    V s[8], u[4], w[2];
+    for (int p = 0; p < 8; ++p) {
+      s[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+    }
+    for (int p = 0; p < 4; ++p) {
+      u[p] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * p], s[2 * p + 1], 0x44), _mm512_shuffle_ps(s[2 * p], s[2 * p + 1], 0xEE));
+    }
+    for (int p = 0; p < 2; ++p) {  // quarter c of u[p]: rows 4p.. over quarter c of theirs; 0x88: quarters 0, 2, 0xDD: 1, 3
+      w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], 0x88), _mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], 0xDD));
+    }
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  }
   static float max(V v) { return _mm512_reduce_max_ps(v); }
   static void store_int16(int16_t* p, V v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)));
