@@ -8,8 +8,10 @@ of B rows, as the engine loop runs it (engine/single.py: forward_together); agai
 of the same job, `vs_one_sequence` is what each phase's step costs more, and `speedup_ceiling` = B x the
 one-sequence step's ms over the B-sequence step's: the most tokens/s that B streams decoding together can
 bring over one stream on this machine, whatever the server around the step does. Each step's ms is the median of
-timed steps outside the profiler, every batch size's in runs of RUN_STEPS alternating with the others' (a burst of
-other load on a shared machine would otherwise land on one size only).
+timed steps outside the profiler, every batch size's in runs alternating with the others' (a burst of other load on
+a shared machine would otherwise land on one size only), each run's first RUN_SETTLE steps untimed: the other
+size's working set has just passed through the caches (here a one-sequence int4 step runs from a last-level cache
+that a 16-sequence step overflows).
 
 What memory allows each step: its working set (the weights its phases read and its sequences' KV, at their mean
 length over the timed and profiled steps) and the read bandwidth over a buffer of that size (a set that fits the
@@ -57,8 +59,8 @@ def phase_weight_bytes(model: Transformer) -> dict[str, int]:
     return phases
 
 
-RUN_STEPS = 4  # timed steps of one batch size before the next size's (the first of a run finds a cache the other
-# size's working set has stirred; the median over every run's steps does not see it)
+RUN_STEPS = 4  # timed steps of one batch size before the next size's
+RUN_SETTLE = 4  # untimed steps before them, while the caches take this size's working set back
 
 
 @dataclass
@@ -93,7 +95,8 @@ def run(cfg: DictConfig) -> Rows:
     decodings: dict[int, Decoding] = {}
     try:
         for batch in sequences:  # prompts of their own: nothing shared through the prefix cache
-            decodings[batch] = start_decoding(cfg, engine, batch, len(decodings) * max(sequences), warmup + 2 * steps)
+            room = warmup + timed_rows(steps) + RUN_SETTLE + steps  # then the profiled steps
+            decodings[batch] = start_decoding(cfg, engine, batch, len(decodings) * max(sequences), room)
         step_ms = timed_steps(decodings, warmup, steps)
         rows: Rows = []
         one_sequence: dict[str, float] = {}  # op -> its ms per step with one sequence (and "" -> the whole step's)
@@ -138,9 +141,14 @@ def start_decoding(cfg: DictConfig, engine: InferenceEngine, batch: int, first_s
     return Decoding(engine, seqs, torch.stack(logits))
 
 
+def timed_rows(steps: int) -> int:
+    """Decode steps that timed_steps runs of each decoding to time `steps` of them."""
+    return -(-steps // RUN_STEPS) * RUN_SETTLE + steps
+
+
 def timed_steps(decodings: dict[int, Decoding], warmup: int, steps: int) -> dict[int, float]:
-    """After `warmup` steps each, `steps` timed steps of every decoding, in runs of RUN_STEPS that alternate between
-    them (which goes first alternating too); the median ms of each one's steps."""
+    """After `warmup` steps each, `steps` timed steps of every decoding, in runs of RUN_STEPS (after RUN_SETTLE untimed
+    ones) that alternate between them, which goes first alternating too; the median ms of each one's timed steps."""
     times: dict[int, list[float]] = {batch: [] for batch in decodings}
     for decoding in decodings.values():
         for _ in range(warmup):
@@ -148,12 +156,16 @@ def timed_steps(decodings: dict[int, Decoding], warmup: int, steps: int) -> dict
     order = list(decodings)
     for run in range(-(-steps // RUN_STEPS)):
         for batch in order if run % 2 == 0 else order[::-1]:
+            for _ in range(RUN_SETTLE):
+                decodings[batch].step()
             times[batch] += [decodings[batch].step() for _ in range(min(RUN_STEPS, steps - run * RUN_STEPS))]
     return {batch: 1e3 * statistics.median(t) for batch, t in times.items()}
 
 
 def profiled(decoding: Decoding, steps: int) -> profile:
-    """torch.profiler over `steps` steps of `decoding`."""
+    """torch.profiler over `steps` steps of `decoding`, after RUN_SETTLE untimed ones."""
+    for _ in range(RUN_SETTLE):
+        decoding.step()
     on_cuda = decoding.engine.config.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])) as prof:
         for _ in range(steps):
@@ -166,7 +178,8 @@ def memory_floor(cfg: DictConfig, engine: InferenceEngine, batch: int) -> dict[s
     the timed and profiled steps), the read bandwidth over a buffer of that size, and the step's ms at that
     bandwidth."""
     m = cfg.measure
-    mean_length = int(m.prompt_tokens) + max(int(m.warmup), 1) + int(m.profile_steps)  # timed, then profiled steps
+    steps = int(m.profile_steps)
+    mean_length = int(m.prompt_tokens) + max(int(m.warmup), 1) + (timed_rows(steps) + steps) // 2  # timed, profiled
     kv = compute_kv_cache_bytes(engine.model.config, batch, mean_length, engine.config.cache_dtype)
     working_set = sum(phase_weight_bytes(engine.model).values()) + kv
     bandwidth = read_bandwidth_gb_s(working_set / 2**20, engine.config.device)
