@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from omegaconf import DictConfig
@@ -70,16 +70,19 @@ class Decoding:
     engine: InferenceEngine
     seqs: list[Sequence]
     logits: Tensor  # (len(seqs), vocab): their last step's
+    paged: list[PagedSequence] = field(init=False)  # seqs, when several (they decode together on cache=paged)
+
+    def __post_init__(self) -> None:
+        self.paged = [seq for seq in self.seqs if isinstance(seq, PagedSequence)]
 
     def step(self) -> float:
         """One step of every sequence; its seconds."""
         tokens = argmax_rows(self.logits)  # as the engine's greedy sampling picks them, outside the timing
-        paged = [seq for seq in self.seqs if isinstance(seq, PagedSequence)]  # several: all of them (cache=paged)
         start = time.perf_counter()
         if len(self.seqs) == 1:
             self.logits = self.engine.decode_step(tokens[0], self.seqs[0])[None]
         else:
-            self.logits = forward_together(paged, [[token] for token in tokens])
+            self.logits = forward_together(self.paged, [[token] for token in tokens])
         sync(self.engine.config.device)
         return time.perf_counter() - start
 
