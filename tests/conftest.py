@@ -110,21 +110,23 @@ def tiny_engine(
     spec: dict | None = None,
     kv_dtype: torch.dtype | None = None,
     dense_copy_mb: float = 0,
+    device: torch.device = torch.device("cpu"),
     **overrides,
 ) -> InferenceEngine:
     """`kernels` given: the model's layers are swapped for that choice (kernels/select.py) first, as
     load_engine does, after quantizing them with `quant` (int4: groups of 32) and building the drafter of
-    `spec` (a resolved conf/spec group; its draft model's layers are swapped too)."""
-    model = tiny_model(seed, **overrides).to(dtype)
+    `spec` (a resolved conf/spec group; its draft model's layers are swapped too). The same seed gives the same
+    weights on every `device`."""
+    model = tiny_model(seed, **overrides).to(device=device, dtype=dtype)
     if quant:
         quantize_model(model, quant, 32 if quant == "int4" else None)
-    speculation = build_speculation(spec, "tiny", model, dtype, torch.device("cpu")) if spec else None
+    speculation = build_speculation(spec, "tiny", model, dtype, device) if spec else None
     if kernels:
         drafts = speculation.drafter.models() if speculation else []
-        select_kernels(nn.ModuleList([model, *drafts]), torch.device("cpu"), dtype, kernels, dense_copy_mb)
+        select_kernels(nn.ModuleList([model, *drafts]), device, dtype, kernels, dense_copy_mb)
     loaded = LoadedModel(model, tokenizer, model.config, "tiny random-init")
     config = EngineConfig(
-        device=torch.device("cpu"),
+        device=device,
         dtype=dtype,
         cache_mode=cache_mode,
         max_seq_len=model.config.max_seq_len,
