@@ -150,6 +150,7 @@ class PagedSequence(Sequence):
         self.blocks.free(self.kv)
 
 
+@torch.inference_mode()
 def forward_together(seqs: list[PagedSequence], token_ids: list[list[int]]) -> Tensor:
     """Feed each sequence (of one engine's pool) its new tokens, all in one flat forward; each one's last logits
     (B, vocab). The decode step of several sequences as the engine loop runs it, outside the loop (the profile
