@@ -1,5 +1,6 @@
-"""int8 layers keep a dequantized copy for products of many rows: the same values as the reference. int4 layers keep
-one only where oneDNN's bf16 GEMM runs on AMX tiles (elsewhere their kernel runs every number of rows)."""
+"""int8 layers keep a dequantized copy for products of many rows: the same values as the reference; in bf16 only
+where the CPU multiplies bf16 itself. int4 layers keep one only where oneDNN's bf16 GEMM runs on AMX tiles (elsewhere
+their kernel runs every number of rows)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ from inferlab.quant.int4 import Int4GroupLinear
 from inferlab.quant.int8 import Int8Linear
 
 
-def test_many_rows_through_the_dense_copy_equal_the_dequantize_reference():
+@pytest.fixture
+def native_bf16(monkeypatch):
+    """The CPU multiplies bf16 itself (pretended where it does not)."""
+    monkeypatch.setattr("inferlab.quant.int8.bf16_gemm_native", lambda: True)
+
+
+def test_many_rows_through_the_dense_copy_equal_the_dequantize_reference(native_bf16):
     model = tiny_model(0).to(torch.bfloat16)
     quantize_model(model, "int8")
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
@@ -31,7 +38,21 @@ def test_many_rows_through_the_dense_copy_equal_the_dequantize_reference():
         torch.testing.assert_close(layer(rows), want, rtol=0, atol=0)
 
 
-def test_int4_layers_keep_no_copy_without_amx(monkeypatch):
+def test_int8_layers_keep_a_bf16_copy_only_where_the_cpu_multiplies_bf16(monkeypatch):
+    monkeypatch.setattr("inferlab.quant.int8.bf16_gemm_native", lambda: False)
+    for dtype, kept in ((torch.bfloat16, False), (torch.float32, True)):
+        model = tiny_model(0).to(dtype)
+        quantize_model(model, "int8")
+        keep_dense_copies(model, dtype, budget_mb=64)
+        layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+        assert layers and all((m.dense is not None) == kept for m in layers), dtype
+        rows = torch.randn(int8_kernel_max_rows() + 4, layers[0].in_features, dtype=dtype)
+        want = F.linear(rows, layers[0].dequantize().to(dtype), layers[0].bias)
+        got = layers[0](rows)  # the kernel without a copy, the copy with one
+        assert F.cosine_similarity(got.float(), want.float(), dim=-1).min() >= 0.999
+
+
+def test_int4_layers_keep_no_copy_without_amx(monkeypatch, native_bf16):
     monkeypatch.setattr("inferlab.quant.int4.amx_bf16_usable", lambda: False)
     model = tiny_model(0).to(torch.bfloat16)
     quantize_model(model, "int4", 32)

@@ -99,6 +99,14 @@ def amx_bf16_usable() -> bool:
     return ctypes.CDLL(None, use_errno=True).syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
 
 
+def bf16_gemm_native() -> bool:
+    """The CPU multiplies bf16 itself (AVX-512 BF16's dot products, or AMX tiles), so that oneDNN's bf16 GEMM (F.linear
+    on bf16 tensors) runs at speed; elsewhere it converts its operands as it goes. AVX2-only EPYC (Zen 1), 2 threads,
+    SmolLM2's 120 projections in bf16 from a dense copy against the int8 kernel: 16 rows 334 vs 67 ms, 64 rows 1,346
+    vs 257 (an fp32 copy: 123, 287)."""
+    return "avx512_bf16" in cpu_flags() or amx_bf16_usable()
+
+
 def resolve_isa(requested: str) -> Isa | None:
     """`device.isa` -> the build to load: auto = the widest this CPU runs (None: not even AVX2, so no
     kernels); a named one the CPU lacks is an error, said in one line."""

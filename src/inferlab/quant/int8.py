@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from inferlab.kernels.aten import int8_kernel_fits, int8_mm
 from inferlab.kernels.gemv import gemv, gemv_fits, int8_kernel_max_rows, prepared_input, quantized_max_rows
+from inferlab.kernels.isa import bf16_gemm_native
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
 
@@ -58,7 +59,10 @@ class Int8Linear(nn.Module):
         return int8_kernel_max_rows()
 
     def dense_copy_pays(self, dtype: torch.dtype) -> bool:
-        return True
+        """A bf16 copy only where the CPU multiplies bf16 itself (kernels/isa.py: bf16_gemm_native): elsewhere
+        oneDNN's bf16 GEMM ran 5x slower than the int8 kernel at every number of rows (the int8 profile's step of 16
+        sequences on an AVX2-only EPYC took 489 ms, 90% of it in aten::mm)."""
+        return dtype != torch.bfloat16 or self.weight.device.type != "cpu" or bf16_gemm_native()
 
     def keep_dense_copy(self, dtype: torch.dtype) -> int:
         """kernels/layer.py's DenseCopyLayer: the same values the reference path computes at each call."""
