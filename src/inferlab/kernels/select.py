@@ -32,9 +32,9 @@ def select_kernels(
 
     Layers already on the kernels (KernelLayer: the quantized ones of quant/) pick their kernels per call
     and are left alone, except that `kernels=portable` sends them down their reference path too. With
-    `kernels=fast`, int8 layers (and int4 ones on AMX CPUs) also keep a dequantized copy for products of many
-    rows when all the copies fit in `dense_copy_mb` (layer.DenseCopyLayer). On CPU the weights then move onto huge pages
-    (huge_pages.py).
+    `kernels=fast`, int8 layers (in bf16 where the CPU multiplies bf16) and int4 ones on AMX CPUs also keep a
+    dequantized copy for products of many rows when all the copies fit in `dense_copy_mb` (layer.DenseCopyLayer). On
+    CPU the weights then move onto huge pages (huge_pages.py).
     """
     fast = fast_kernels_apply(device, dtype, kernels)
     swapped = []
