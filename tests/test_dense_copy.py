@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import tiny_engine, tiny_model
 
 from inferlab.kernels.gemv import BF16_TILES_MAX_ROWS, int4_kernel_max_rows, int8_kernel_max_rows
+from inferlab.kernels.layer import holds_dense_copy
 from inferlab.kernels.select import keep_dense_copies
 from inferlab.quant import quantize_model
 from inferlab.quant.int4 import Int4GroupLinear
@@ -131,3 +132,15 @@ def test_an_int4_engine_with_copies_runs_long_prompts_through_them(monkeypatch, 
         assert (F.cosine_similarity(want.float(), got.float(), dim=-1).min() >= 0.999) == close
         want_seq.release()
         got_seq.release()
+
+
+def test_the_quantized_layers_are_seen_as_holding_copies():
+    """holds_dense_copy, not isinstance on the protocol: on Python 3.12 that missed every layer (their `dense` is a
+    buffer), and no copy was kept."""
+    model = tiny_model(0)
+    quantize_model(model, "int8")
+    int4 = tiny_model(0)
+    quantize_model(int4, "int4", 32)
+    quantized = [m for m in [*model.modules(), *int4.modules()] if isinstance(m, (Int8Linear, Int4GroupLinear))]
+    assert quantized and all(holds_dense_copy(m) for m in quantized)
+    assert not holds_dense_copy(torch.nn.Linear(4, 4))

@@ -19,7 +19,7 @@ from inferlab.kernels.attention import DECODE_ATTENTION_MAX_HEAD_DIM
 from inferlab.kernels.build import active_isa, fast_kernels_apply, kernel_classes
 from inferlab.kernels.gemv import BF16_KERNEL_MAX_ROWS, BF16_TILES_MAX_ROWS, GEMV_K_STEP, GEMV_MAX_K, GemvLinear
 from inferlab.kernels.isa import amx_bf16_usable
-from inferlab.kernels.layer import DenseCopyLayer, KernelLayer
+from inferlab.kernels.layer import KernelLayer, holds_dense_copy
 from inferlab.model.transformer import Transformer, rope_tables
 
 # Token rows one step takes at most (many_rows_limit may choose fewer). The kernels take any number; the bound keeps a step's fp32 activation buffers
@@ -40,7 +40,7 @@ def projection_parts(linear: nn.Module, with_copy: bool = True) -> list[Tensor] 
 
 def bf16_copy(layer: nn.Module) -> Tensor | None:
     """A quantized layer's dense copy where the amx build's plan multiplies it on the tiles (bf16), else None."""
-    copy = layer.dense if isinstance(layer, DenseCopyLayer) else None
+    copy = layer.dense if holds_dense_copy(layer) else None
     return copy if copy is not None and copy.dtype == torch.bfloat16 else None
 
 
@@ -63,7 +63,7 @@ def many_rows_limit(model: Transformer, isa: str) -> int:
     limits = [
         max(m.kernel_max_rows, BF16_TILES_MAX_ROWS) if isa == "amx" and bf16_copy(m) is not None else m.kernel_max_rows
         for m in model.layers.modules()
-        if isinstance(m, DenseCopyLayer) and m.dense is not None
+        if holds_dense_copy(m) and m.dense is not None
     ]
     bf16 = any(isinstance(m, GemvLinear) and m.weight.dtype == torch.bfloat16 for m in model.layers.modules())
     if bf16 and amx_bf16_usable():  # oneDNN's bf16 GEMM on AMX tiles outruns the kernel beyond these rows
@@ -74,7 +74,7 @@ def many_rows_limit(model: Transformer, isa: str) -> int:
 def dense_from_rows(model: Transformer) -> int:
     """Rows from which the plan multiplies a decoder layer's dense copy instead of its quantized weights: one past the
     most its kernel takes (DenseCopyLayer's kernel_max_rows), as the Python model does (0: no copies)."""
-    copies = [m for m in model.layers.modules() if isinstance(m, DenseCopyLayer) and bf16_copy(m) is not None]
+    copies = [m for m in model.layers.modules() if holds_dense_copy(m) and bf16_copy(m) is not None]
     return min(m.kernel_max_rows for m in copies) + 1 if copies else 0
 
 

@@ -8,7 +8,7 @@ decode step and `select_kernels` see layers only through it, so kernels/ never i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -67,7 +67,6 @@ class KernelLayer(Protocol):
         ...
 
 
-@runtime_checkable
 class DenseCopyLayer(Protocol):
     """A quantized layer (int8, int4) that can also hold its weights dequantized, for products of many rows.
 
@@ -96,3 +95,10 @@ class DenseCopyLayer(Protocol):
     def keep_dense_copy(self, dtype: torch.dtype) -> int:
         """Hold the dequantized weights in `dtype` from now on; return their bytes (0: this layer cannot)."""
         ...
+
+
+def holds_dense_copy(module: object) -> TypeGuard[DenseCopyLayer]:
+    """`module` is a DenseCopyLayer. Not isinstance on a runtime-checkable protocol: from Python 3.12 that looks for
+    each member statically, and a module's `dense` lives in its buffers, so every quantized layer failed the check
+    and none kept a copy (seen on Python 3.12.3)."""
+    return callable(getattr(module, "keep_dense_copy", None))

@@ -11,7 +11,7 @@ from inferlab.kernels.build import fast_kernels_apply, use_isa
 from inferlab.kernels.gemv import GemvLinear
 from inferlab.kernels.huge_pages import move_weights_to_huge_pages
 from inferlab.kernels.isa import resolve_isa
-from inferlab.kernels.layer import DenseCopyLayer, KernelLayer
+from inferlab.kernels.layer import KernelLayer, holds_dense_copy
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def select_kernels(
 def keep_dense_copies(model: nn.Module, dtype: torch.dtype, budget_mb: float) -> int:
     """Dequantized copies of every quantized layer whose copy pays here (layer.DenseCopyLayer), when they all fit in
     `budget_mb`; return their bytes."""
-    layers = {id(m): m for m in model.modules() if isinstance(m, DenseCopyLayer) and m.dense_copy_pays(dtype)}.values()
+    layers = {id(m): m for m in model.modules() if holds_dense_copy(m) and m.dense_copy_pays(dtype)}.values()
     need = sum(m.out_features * m.in_features for m in layers) * torch.empty(0, dtype=dtype).element_size()
     if not layers or need > budget_mb * 2**20:
         if layers:
