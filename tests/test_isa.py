@@ -2,6 +2,7 @@
 flags, overridable by device.isa, refused in one line where the CPU lacks it, each build cached apart."""
 
 import logging
+import os
 
 import pytest
 
@@ -86,3 +87,18 @@ def test_auto_falls_back_to_a_narrower_build_where_a_wider_one_does_not_build(mo
     finally:
         monkeypatch.undo()
         use_isa(before.name if before else "auto")
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_recent_one_kept(tmp_path, caplog, capsys):
+    """torch's builder waits for its `lock` to go away; one left by a killed build would make every later load wait
+    forever. Older than any build: removed, with a warning; recent (another process building now): waited on."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    build.clear_stale_lock(tmp_path, max_age_s=600)
+    assert lock.exists() and "waiting for another process's kernel build" in capsys.readouterr().err
+    old = lock.stat().st_mtime - 601
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="inferlab.kernels.build"):
+        build.clear_stale_lock(tmp_path, max_age_s=600)
+    assert not lock.exists() and "did not finish" in caplog.text
+    build.clear_stale_lock(tmp_path)  # no lock: nothing to do

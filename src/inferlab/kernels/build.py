@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ KERNEL_CHOICES = ("fast", "portable")
 # -ffp-contract=off: a scalar a * b + c stays two roundings wherever it is inlined (GCC fuses it into an fma
 # in some instantiations and not others), so a row's product does not depend on the shape of its call
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+STALE_LOCK_S = 600  # a build takes ~1 min on 2 cores; a build lock older than this was left by a killed build
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ def load_isa(name: str) -> bool:
     isa = ISAS[name]
     build_dir = kernels_build_dir(isa)
     build_dir.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(build_dir)
     if not any(build_dir.glob("*.so")):
         print(
             f"inferlab: building the CPU decode kernels for {isa.about} (once per machine) ...",
@@ -72,6 +75,25 @@ def load_isa(name: str) -> bool:
         log.warning("CPU decode kernels unavailable (%s); using F.linear", str(error).splitlines()[0])
         return False
     return True
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> None:
+    """torch's builder holds a file `lock` in the build directory while it compiles, and every other process that
+    loads the same build waits for it to go away. A build killed midway leaves it behind, and every later load then
+    waits forever, saying nothing (seen: a test run hung 15 minutes after an earlier one was killed while building).
+    A lock older than any build is removed, saying so; a recent one is said to be waited on."""
+    lock = build_dir / "lock"
+    try:
+        age_s = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age_s > max_age_s:
+        log.warning("removing %s, left %.0f min ago by a kernel build that did not finish", lock, age_s / 60)
+        lock.unlink(missing_ok=True)
+    else:
+        print(
+            f"inferlab: waiting for another process's kernel build to release {lock} ...", file=sys.stderr, flush=True
+        )
 
 
 def compile_kernels(isa: Isa, name: str, sources: list[Path], build_dir: Path) -> None:
