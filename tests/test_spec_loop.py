@@ -195,11 +195,14 @@ def test_real_model_batched_spec_self_gives_spec_off_tokens(precision):
     takes steps beyond the fused step's rows on AMX CPUs (32, or BF16_TILES_MAX_ROWS on the amx build). So steps of
     at most 32 rows, and no prefix cache: the second run would find its prompts cached and prefill only their last
     blocks, and how many prompts the loop's first step holds depends on when it starts stepping (all four: 163 rows;
-    one: ~40)."""
+    one: ~40). Adaptive K is off, so that every step drafts wherever drafting would not pay (a machine without the
+    C++ kernels: the loop then rightly proposed nothing, and losslessness went untested)."""
     from inferlab.api import load_engine
 
     engine = load_engine(
-        precision=precision, spec="self", **{"cache.prefix": False, "scheduler.max_batched_tokens": 32}
+        precision=precision,
+        spec="self",
+        **{"cache.prefix": False, "scheduler.max_batched_tokens": 32, "spec.adaptive": False},
     )
     speculation = engine.speculation
     prompts = [
