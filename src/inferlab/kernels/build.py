@@ -33,7 +33,8 @@ from inferlab.kernels.isa import ISAS, Isa, resolve_isa, supported_isas
 from inferlab.paths import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("gemv.cpp", "decode_attention.cpp", "decode_step.cpp")]
+GEMV_SOURCE = CSRC / "gemv.cpp"  # the gemv op alone
+SOURCES = [GEMV_SOURCE, CSRC / "decode_attention.cpp", CSRC / "decode_step.cpp"]
 KERNEL_CHOICES = ("fast", "portable")
 # -fopenmp for at::parallel_for's pragmas: the process's libgomp is torch's, so the threads are torch's.
 # -ffp-contract=off: a scalar a * b + c stays two roundings wherever it is inlined (GCC fuses it into an fma
