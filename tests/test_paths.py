@@ -32,11 +32,19 @@ def test_the_cache_is_the_users_unless_inferlab_cache_says(monkeypatch, tmp_path
     assert compose(overrides=["model=scratch"]).model.path == str(tmp_path / "mine" / "models" / "scratch")
 
 
-def test_two_checkouts_of_the_same_kernel_sources_build_apart(monkeypatch, tmp_path):
-    # torch's ninja file names the sources by path: a build dir shared by two places would be rebuilt by each in turn
+def test_checkouts_of_the_same_kernel_sources_share_one_build_and_others_build_apart(monkeypatch, tmp_path):
+    # torch's ninja file names the sources by path: builds compile a copy kept beside them, named by its content
+    monkeypatch.setenv("INFERLAB_CACHE", str(tmp_path / "cache"))
     here = kernels_build_dir(ISAS["avx2"])
     copy = tmp_path / "elsewhere" / "csrc"
     shutil.copytree(build.CSRC, copy)
     monkeypatch.setattr(build, "CSRC", copy)
-    assert kernels_build_dir(ISAS["avx2"]) != here
-    assert kernels_build_dir(ISAS["avx2"]).parent.parent == here.parent.parent
+    assert kernels_build_dir(ISAS["avx2"]) == here
+    sources = build.copied_sources(here.parent)
+    assert sources == here.parent / "csrc" and build.copied_sources(here.parent) == sources
+    assert sorted(p.name for p in sources.iterdir()) == sorted(p.name for p in copy.iterdir())
+    assert all((sources / p.name).read_bytes() == p.read_bytes() for p in copy.iterdir())
+    assert [p.name for p in here.parent.iterdir()] == ["csrc"]  # no partial copy left behind
+    (copy / "gemv.h").write_text((copy / "gemv.h").read_text() + "\n// changed\n")
+    changed = kernels_build_dir(ISAS["avx2"])
+    assert changed != here and changed.parent.parent == here.parent.parent

@@ -1,5 +1,5 @@
 """`pip install .` works anywhere: the wheel, installed into a fresh venv, generates from another directory,
-finding conf/ inside the package and building the kernels into $INFERLAB_CACHE."""
+finding conf/ inside the package and the kernels of its own sources in $INFERLAB_CACHE."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from inferlab.kernels.build import cpu_gemv_available
+from inferlab.kernels.build import kernels_build_dir, load_isa
+from inferlab.kernels.isa import ISAS, supported_isas
+from inferlab.paths import cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -96,6 +98,22 @@ def test_the_installed_package_is_the_wheel_with_conf_inside(installed, tmp_path
 def test_inferlab_generate_runs_from_any_directory(installed, tmp_path):
     cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
     elsewhere.mkdir()
+    # the kernels this checkout built for what device.isa=auto picks, in a cache the run shares: the wheel's sources
+    # are this checkout's, so it loads that build and compiles nothing (a file missing from the wheel would change
+    # the sources' digest, and the run would compile them, and fail)
+    widest = supported_isas()[-1] if supported_isas() else None
+    shared = widest is not None and load_isa(widest)
+    env = clean_env(tmp_path, INFERLAB_CACHE=cache)
+    if shared:
+        cache.mkdir()
+        (cache / "kernels").symlink_to(cache_dir() / "kernels", target_is_directory=True)
+        probe = (
+            f"from inferlab.kernels.build import ISAS, kernels_build_dir; print(kernels_build_dir(ISAS[{widest!r}]))"
+        )
+        build = Path(run(installed / "bin" / "python", "-c", probe, cwd=elsewhere, env=env).stdout.strip())
+        assert build == kernels_build_dir(ISAS[widest])
+        (library,) = build.glob("*.so")
+        built_at = library.stat().st_mtime_ns
     done = run(
         installed / "bin" / "inferlab-generate",
         "model=tiny-random",
@@ -103,9 +121,9 @@ def test_inferlab_generate_runs_from_any_directory(installed, tmp_path):
         "max_new_tokens=4",
         "temperature=0",
         cwd=elsewhere,
-        env=clean_env(tmp_path, INFERLAB_CACHE=cache),
+        env=env,
     )
     assert done.stdout.strip() and "generated 4 tok" in done.stderr
     assert not list(elsewhere.iterdir()) and not (tmp_path / ".cache").exists()  # only stdout, stderr and the cache
-    if cpu_gemv_available():  # the kernels built from the wheel's own sources, into $INFERLAB_CACHE
-        assert list((cache / "kernels").rglob("*.so"))
+    if shared:
+        assert "building the CPU decode kernels" not in done.stderr and library.stat().st_mtime_ns == built_at

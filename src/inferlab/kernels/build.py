@@ -8,9 +8,10 @@ matrix-vector products (measured on the 121 matrices of SmolLM2-135M, 2 threads:
 use and caches the build: csrc/gemv.h (fp32, bf16, int8 and int4 weights, one pass over each row;
 gemv.py), csrc/attention.h (one query per sequence through block tables; attention.py) and
 csrc/decode_step.cpp (the whole decode step; fused_decode.py). Each instruction set of isa.py is its
-own build (cache/kernels/torch-<version>/<isa>/) with its own op library (torch.ops.inferlab_<isa>);
-the process calls one of them, chosen once at load (`use_isa`) and logged. Nothing here runs at
-import: the build happens on the first call that asks whether the kernels are there.
+own build (cache/kernels/torch-<version>-<digest>/<isa>/, compiled from the copy of csrc/ beside it) with
+its own op library (torch.ops.inferlab_<isa>); the process calls one of them, chosen once at load
+(`use_isa`) and logged. Nothing here runs at import: the build happens on the first call that asks
+whether the kernels are there.
 `kernels=portable`, other devices, and machines without AVX2 or a C++ compiler keep `F.linear`.
 """
 
@@ -71,7 +72,8 @@ def load_isa(name: str) -> bool:
             flush=True,
         )
     try:
-        compile_kernels(isa, isa.name, SOURCES, build_dir)
+        sources = copied_sources(build_dir.parent)
+        compile_kernels(isa, isa.name, [sources / p.name for p in SOURCES], build_dir)
     except Exception as error:  # no compiler, no ninja: the portable path serves
         log.warning("CPU decode kernels unavailable (%s); using F.linear", str(error).splitlines()[0])
         return False
@@ -114,15 +116,31 @@ def compile_kernels(isa: Isa, name: str, sources: list[Path], build_dir: Path) -
 
 
 def kernels_build_dir(isa: Isa) -> Path:
-    """Where a build is cached: per instruction set, torch version, compiler flags, the content of csrc/ and
-    the paths torch's ninja file names (the sources', torch's headers': the same venv reached through a link
-    is another path), so checkouts and versions that share the user cache dir never load each other's build
-    nor, finding each other's build stale, rebuild it in turn on every first use."""
-    paths = (str(CSRC.resolve()), str(Path(torch.__file__).parent))
-    digest = hashlib.sha256("\0".join((*CFLAGS, *paths)).encode())
+    """Where a build is cached: per instruction set, torch version, compiler flags, the content of csrc/ and the
+    path of torch's headers (the same venv reached through a link is another path). Builds compile a copy of the
+    sources kept beside them (copied_sources), so the ninja file torch writes names that copy, not a checkout:
+    checkouts and installed wheels that hold the same sources share one build, and none finds another's build
+    stale and rebuilds it."""
+    digest = hashlib.sha256("\0".join((*CFLAGS, str(Path(torch.__file__).parent))).encode())
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return cache_dir() / "kernels" / f"torch-{torch.__version__}-{digest.hexdigest()[:12]}" / isa.name
+    # resolved: through a linked cache dir the copy's path, which torch's ninja file names, stays the same
+    return (cache_dir() / "kernels").resolve() / f"torch-{torch.__version__}-{digest.hexdigest()[:12]}" / isa.name
+
+
+def copied_sources(root: Path) -> Path:
+    """csrc/ copied to root/csrc (once: written under a name of this process's, then renamed into place, so a
+    process never compiles a copy another is still writing); its content is what names root."""
+    copy = root / "csrc"
+    if not copy.is_dir():
+        partial = root / f"csrc.{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(CSRC, partial)
+        try:
+            partial.rename(copy)
+        except OSError:  # another process's copy is in place (same content)
+            shutil.rmtree(partial, ignore_errors=True)
+    return copy
 
 
 def _put_ninja_on_path() -> None:
