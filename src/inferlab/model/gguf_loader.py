@@ -236,14 +236,60 @@ def load_gguf(
     return config, state, Tokenizer.from_gguf_fields(meta), left
 
 
+BLOCK_WEIGHTS = 32  # weights per block of Q4_1 and of Q8_0
+Codes = tuple[Tensor, Tensor, Tensor]  # codes uint8 (N, K), scales fp32 (N, G), mins fp32 (N, G)
+
+
+def q4_1_codes(blocks: np.ndarray) -> Codes:
+    """A Q4_1 tensor's blocks, uint8 (N, G * 20) one row per output channel, as its codes, scales and mins. A block
+    is 32 weights: fp16 d, fp16 m, then 16 bytes whose byte i holds weight i (low nibble) and weight i + 16 (high
+    nibble); w = d * q + m."""
+    n = blocks.shape[0]
+    b = torch.from_numpy(np.array(blocks, dtype=np.uint8)).reshape(-1, 20)  # (N * G, 20); a copy: the file is read-only
+    d = b[:, 0:2].contiguous().view(torch.float16).float()  # (N * G, 1)
+    m = b[:, 2:4].contiguous().view(torch.float16).float()
+    qs = b[:, 4:]
+    codes = torch.cat((qs & 0x0F, qs >> 4), dim=1)  # (N * G, 32)
+    return codes.reshape(n, -1), d.reshape(n, -1), m.reshape(n, -1)
+
+
+def q8_0_codes(blocks: np.ndarray) -> tuple[Tensor, Tensor]:
+    """A Q8_0 tensor's blocks, uint8 (N, G * 34), as int8 codes (N, K) and scales fp32 (N, G): a block is fp16 d, then
+    32 int8 q; w = d * q."""
+    n = blocks.shape[0]
+    b = torch.from_numpy(np.array(blocks, dtype=np.uint8)).reshape(-1, 34)
+    d = b[:, 0:2].contiguous().view(torch.float16).float()
+    return b[:, 2:].contiguous().view(torch.int8).reshape(n, -1), d.reshape(n, -1)
+
+
+def block_values(blocks: np.ndarray, kind: str) -> Tensor:
+    """Q4_1 or Q8_0 blocks (N, bytes per row) as fp32 weights (N, K), each w = d * q (+ m) rounded as gguf's own
+    dequantize rounds it (two fp32 operations, not one fused): the same floats, ~20x as fast as its numpy."""
+    if kind == "Q4_1":
+        codes, scales, mins = q4_1_codes(blocks)
+        n, groups = scales.shape
+        values = codes.reshape(n, groups, BLOCK_WEIGHTS).float() * scales[..., None] + mins[..., None]
+    else:
+        codes8, scales = q8_0_codes(blocks)
+        n, groups = scales.shape
+        values = codes8.reshape(n, groups, BLOCK_WEIGHTS).float() * scales[..., None]
+    return values.reshape(n, -1)
+
+
+FAST_BLOCKS = ("Q4_1", "Q8_0")  # read by block_values; other quantized types by gguf's dequantize
+
+
 def dequantize(tensor, dtype: torch.dtype, chunk_elements: int = 1 << 22) -> Tensor:
     """A GGUF tensor as (rows, columns) (or (columns,)) in `dtype`, a few MiB of rows at a time: a quantized
     embedding never exists whole in fp32."""
     from gguf import quants
 
     data = tensor.data  # (rows, bytes per row) for quantized types, (rows, columns) or (columns,) otherwise
+    kind = tensor.tensor_type.name
 
     def rows(part) -> Tensor:
+        if kind in FAST_BLOCKS and part.ndim == 2:
+            return block_values(part, kind)
         try:
             values = quants.dequantize(part, tensor.tensor_type)
         except NotImplementedError:

@@ -1,8 +1,7 @@
 """GGUF Q4_1 blocks -> Int4GroupLinear codes, so precision=int4 runs the 4-bit weights the file holds.
 
-A Q4_1 block is 32 weights: fp16 d, fp16 m, then 16 bytes whose byte i holds weight i (low nibble)
-and weight i + 16 (high nibble); w = d * q + m. Rows are fused and un-permuted exactly as the loader
-does with the dequantized weights (permuting whole rows of a row-wise quantized matrix is lossless).
+The blocks are read by model/gguf_loader.py's q4_1_codes. Rows are fused and un-permuted exactly as the loader does
+with the dequantized weights (permuting whole rows of a row-wise quantized matrix is lossless).
 """
 
 from __future__ import annotations
@@ -11,30 +10,20 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch import Tensor
 
 from inferlab.model.config import ModelConfig
-from inferlab.model.gguf_loader import evict, linear_sources, open_gguf, unpermute_qk  # the loader's parse and layout
+from inferlab.model.gguf_loader import (  # the loader's parse, block layout and rows
+    BLOCK_WEIGHTS,
+    Codes,
+    evict,
+    linear_sources,
+    open_gguf,
+    q4_1_codes,
+    unpermute_qk,
+)
 
-Q4_1_GROUP = 32
-Codes = tuple[Tensor, Tensor, Tensor]  # codes uint8 (N, K), scales fp32 (N, G), mins fp32 (N, G)
-
-
-def q4_1_codes(blocks: np.ndarray) -> Codes:
-    """blocks: uint8 (N, G * 20), one row per output channel, as the file holds a Q4_1 tensor (model/gguf_loader.py)."""
-    n = blocks.shape[0]
-    b = np.ascontiguousarray(blocks).reshape(-1, 20)  # (N * G, 20)
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # (N * G, 1)
-    m = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-    qs = b[:, 4:]
-    codes = np.concatenate((qs & 0x0F, qs >> 4), axis=1)  # (N * G, 32)
-    return (
-        torch.from_numpy(codes).reshape(n, -1),
-        torch.from_numpy(d).reshape(n, -1),
-        torch.from_numpy(m).reshape(n, -1),
-    )
+Q4_1_GROUP = BLOCK_WEIGHTS  # the int4 group size whose codes are the file's own blocks
 
 
 def _rows(codes: Codes, fix) -> Codes:
