@@ -262,21 +262,18 @@ def q8_0_codes(blocks: np.ndarray) -> tuple[Tensor, Tensor]:
     return b[:, 2:].contiguous().view(torch.int8).reshape(n, -1), d.reshape(n, -1)
 
 
+BLOCK_READERS = {"Q4_1": q4_1_codes, "Q8_0": q8_0_codes}  # the block types read here; others by gguf's dequantize
+
+
 def block_values(blocks: np.ndarray, kind: str) -> Tensor:
     """Q4_1 or Q8_0 blocks (N, bytes per row) as fp32 weights (N, K), each w = d * q (+ m) rounded as gguf's own
     dequantize rounds it (two fp32 operations, not one fused): the same floats, ~20x as fast as its numpy."""
-    if kind == "Q4_1":
-        codes, scales, mins = q4_1_codes(blocks)
-        n, groups = scales.shape
-        values = codes.reshape(n, groups, BLOCK_WEIGHTS).float() * scales[..., None] + mins[..., None]
-    else:
-        codes8, scales = q8_0_codes(blocks)
-        n, groups = scales.shape
-        values = codes8.reshape(n, groups, BLOCK_WEIGHTS).float() * scales[..., None]
+    codes, scales, *mins = BLOCK_READERS[kind](blocks)
+    n, groups = scales.shape
+    values = codes.reshape(n, groups, BLOCK_WEIGHTS).float() * scales[..., None]
+    for m in mins:  # Q4_1's
+        values = values + m[..., None]
     return values.reshape(n, -1)
-
-
-FAST_BLOCKS = ("Q4_1", "Q8_0")  # read by block_values; other quantized types by gguf's dequantize
 
 
 def dequantize(tensor, dtype: torch.dtype, chunk_elements: int = 1 << 22) -> Tensor:
@@ -288,7 +285,7 @@ def dequantize(tensor, dtype: torch.dtype, chunk_elements: int = 1 << 22) -> Ten
     kind = tensor.tensor_type.name
 
     def rows(part) -> Tensor:
-        if kind in FAST_BLOCKS and part.ndim == 2:
+        if kind in BLOCK_READERS and part.ndim == 2:
             return block_values(part, kind)
         try:
             values = quants.dequantize(part, tensor.tensor_type)
