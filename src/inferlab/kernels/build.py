@@ -80,13 +80,6 @@ def load_isa(name: str) -> bool:
     return True
 
 
-def build_all() -> list[str]:
-    """Build (or find built) the kernels of every instruction set this CPU runs, the names of those that built:
-    `make setup` runs it while the rest of the install goes on, so that neither the first engine nor the test suite
-    waits for the compile."""
-    return [name for name in supported_isas() if load_isa(name)]
-
-
 def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> None:
     """torch's builder holds a file `lock` in the build directory while it compiles, and every other process that
     loads the same build waits for it to go away. A build killed midway leaves it behind, and every later load then
