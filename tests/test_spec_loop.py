@@ -16,13 +16,12 @@ from hypothesis import strategies as st
 from test_scheduler import assert_single_request_tokens, check_invariants, fake_request, operations, run_operations
 from test_spec import TOY_PROMPT, chi_square_pvalue, exact_sequence_probs, perturbed, toy_model
 
-from inferlab.engine.adaptive_k import BACKOFF, MAX_BACKOFF, MIN_SAMPLES, PRIOR, WEIGHT, Acceptance, Calibration
+from inferlab.engine.adaptive_k import BACKOFF, MAX_BACKOFF, MIN_SAMPLES, PRIOR, WEIGHT, Calibration
 from inferlab.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch
 from inferlab.engine.sequence import Request
-from inferlab.engine.spec_batch import LoopSpeculation
 from inferlab.engine.speculative import Speculation
 from inferlab.model.loader import LoadedModel
 from inferlab.model.transformer import Transformer
@@ -296,42 +295,6 @@ def test_every_decode_probes_after_backoff_steps_where_only_the_estimates_hold_d
     for request in requests:
         loop.acceptances[request].acceptance = 0.9  # the probes' drafts were accepted: drafting resumes
     assert loop.wanted(requests)[0] > 0 and loop.backoff == BACKOFF
-
-
-def drafting_loop_timed_at_verifications(tiny_tokenizer, acceptance: float) -> tuple[LoopSpeculation, list[Request]]:
-    """A loop whose timed steps are verifications of 8 decodes (20 ms + 1 ms a row at 24 and 32 rows, draft steps
-    of 4 ms), as once it drafts, and 8 decodes at `acceptance`."""
-    engine = loop_engine(tiny_tokenizer, None, kv_blocks=64)
-    engine.speculation = Speculation(drafter("self", engine.model), 4, adaptive=True)
-    loop = engine.loop.speculation
-    for _ in range(MIN_SAMPLES):
-        for rows in (24, 32):
-            loop.step_cost.observe(rows, 0.020 + 0.001 * rows)
-        loop.draft_cost.observe(8, 0.004)
-    requests = [fake_request(i, [1, 2, 3], 16) for i in range(8)]
-    loop.acceptances = {r: Acceptance(acceptance) for r in requests}
-    assert loop._costs()[0](8) == pytest.approx(0.028)  # a plain step extrapolated: 8 tokens in 28 ms
-    return loop, requests
-
-
-@pytest.mark.parametrize("plain_seconds, drafts", [(0.018, False), (0.028, True)])
-def test_a_plain_step_estimated_from_verifications_is_timed_before_drafting_where_it_might_not_pay(
-    tiny_tokenizer, plain_seconds, drafts
-):
-    """Once the loop drafts, its timed steps are verifications of tens of rows, and a plain step of its decodes is
-    extrapolated from them (a kernel's staircase makes that too dear). Where drafting wins by less than the estimate
-    could be off, the loop decodes plainly until it has timed such steps, then weighs drafting against them."""
-    loop, requests = drafting_loop_timed_at_verifications(tiny_tokenizer, 0.8)  # ~19.5 tokens in 52 ms at K=2
-    assert [loop.wanted(requests) for _ in range(MIN_SAMPLES)] == [[0] * 8] * MIN_SAMPLES
-    for _ in range(MIN_SAMPLES):
-        loop.step_cost.observe(8, plain_seconds)
-    assert loop.step_cost.timed(8)
-    assert (loop.wanted(requests)[0] > 0) == drafts  # 18 ms: 444 tok/s plain, drafting brings at most 411
-
-
-def test_where_drafting_wins_by_far_no_plain_step_is_taken_to_time_it(tiny_tokenizer):
-    loop, requests = drafting_loop_timed_at_verifications(tiny_tokenizer, 0.95)  # 464 tok/s at K=3, 381 at 21 ms
-    assert not loop.step_cost.timed(8) and loop.wanted(requests)[0] > 0
 
 
 @pytest.mark.parametrize("kind, unseen", [("draft", 12), ("self", 1), ("ngram", 1)])

@@ -18,9 +18,7 @@ step (plan_k): the k whose step, B x (k + 1) rows after k draft steps of B rows,
 (StepCost: the fastest timing at each row count, a line through them; the load-time Calibration until the loop
 has its own), so a draft step's fixed cost is shared by the sequences drafting in it: a row-cheap draft pays at
 c=4-8 where one sequence's draft step would not, and where rows cost more than acceptance brings, the loop
-decodes plainly. What drafting is weighed against, a plain step of the B decodes, is timed too: where it was not
-lately (a drafting loop times verifications) and drafting wins by less than its estimate may be off (UNTIMED_PLAIN),
-the loop takes plain steps until it has timed them. A draft model with a KV cache of its own first feeds what it has not seen (the tokens of plain
+decodes plainly. A draft model with a KV cache of its own first feeds what it has not seen (the tokens of plain
 steps, the whole context at a request's first drafting), so a step's first draft step counts those rows. When only
 the estimates hold it back (drafts that were all accepted would pay), every decode probes with one draft after
 BACKOFF plain steps, twice as many after each probe that did not resume drafting (up to MAX_BACKOFF).
@@ -30,7 +28,8 @@ The choice only ever depends on past rounds, so it keeps speculative sampling ex
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,12 +38,9 @@ PRIOR = 0.8  # acceptance assumed before any evidence: a draft is used because i
 WEIGHT = 0.1  # each accepted or rejected draft token moves the estimate this far towards 1 or 0 (~10-token memory)
 BACKOFF = 16  # plain decoding steps after speculation stopped paying, before the next probe
 MAX_BACKOFF = 256  # the engine loop's plain steps between probes, doubled after each probe in vain, are at most this
-WINDOW = 32  # a row count's recent steps whose fastest adaptive K counts
-HORIZON = 256  # steps timed since a row count's last one before it is forgotten (the machine may have changed)
+WINDOW = 32  # the recent steps (and draftings) whose costs adaptive K counts
 MIN_SAMPLES = 4  # timings of a row count before its fastest is a point of the fitted line
 MIN_SPREAD = 3  # rows between the fewest and most rows timed before a row's cost is fitted
-UNTIMED_PLAIN = 0.75  # what an estimated plain step may really cost, at least, of its estimate (the engine loop times
-# one where drafting would not pay against that)
 
 
 @dataclass
@@ -117,26 +113,17 @@ class Calibration:
 @dataclass
 class StepCost:
     """A step's seconds (the target's decode steps, or the draft's steps) as a + b * rows, from the fastest of the last
-    WINDOW steps at each row count timed in the last HORIZON steps (others on a shared machine only ever slow a step
-    down: a decayed mean of them read a stray slow verification as a costly row, and with a few rows' spread a steep b
-    left a near 0, a draft token costing more than a step, so that sequences went to plain decoding). Each row count
-    keeps its own timings while others are timed: once the loop drafts, verifications of tens of rows are most of its
-    steps, and a window shared by all row counts soon held nothing else, so that a plain step was extrapolated from
-    them (~10% too dear at bf16 c=8, enough to keep drafting where it lost). A least-squares line through the row
-    counts seen MIN_SAMPLES times once they span MIN_SPREAD rows; before that the prior's line (the load-time timing;
-    without one, b = 0) scaled to the fastest step seen."""
+    WINDOW steps at each row count (others on a shared machine only ever slow a step down: a decayed mean of them read
+    a stray slow verification as a costly row, and with a few rows' spread a steep b left a near 0, a draft token
+    costing more than a step, so that sequences went to plain decoding). A least-squares line through the row counts
+    seen MIN_SAMPLES times once they span MIN_SPREAD rows; before that the prior's line (the load-time timing; without
+    one, b = 0) scaled to the fastest step seen."""
 
-    timings: dict[int, deque[float]] = field(default_factory=dict)  # rows -> its last WINDOW steps' seconds
-    last_timed: dict[int, int] = field(default_factory=dict)  # rows -> `steps` when it was last timed
-    steps: int = 0  # timed so far
+    steps: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     _points: tuple[dict[int, float], dict[int, float]] | None = field(default=None, init=False, repr=False)
 
     def observe(self, rows: int, seconds: float) -> None:
-        self.steps += 1
-        self.timings.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
-        self.last_timed[rows] = self.steps
-        for stale in [r for r, step in self.last_timed.items() if self.steps - step >= HORIZON]:
-            del self.timings[stale], self.last_timed[stale]
+        self.steps.append((rows, seconds))
         self._points = None
 
     def points(self) -> tuple[dict[int, float], dict[int, float]]:
@@ -144,18 +131,17 @@ class StepCost:
         the next step is observed: the engine loop reads them several times a step (fit, curve; the draft steps' when
         no decode drafted for many steps), ~10 us each time on the loop's thread."""
         if self._points is None:
-            fastest = {rows: min(seconds) for rows, seconds in self.timings.items()}
-            seen = {rows: fastest[rows] for rows, seconds in self.timings.items() if len(seconds) >= MIN_SAMPLES}
-            self._points = fastest, seen
+            fastest: dict[int, float] = {}
+            counts: Counter[int] = Counter()
+            for rows, seconds in self.steps:
+                fastest[rows] = min(seconds, fastest.get(rows, math.inf))
+                counts[rows] += 1
+            self._points = fastest, {rows: s for rows, s in fastest.items() if counts[rows] >= MIN_SAMPLES}
         return self._points
-
-    def timed(self, rows: int) -> bool:
-        """Whether steps of `rows` rows were timed lately (MIN_SAMPLES times), not only estimated from others."""
-        return rows in self.points()[1]
 
     def fit(self, prior: tuple[float, float] | None = None) -> tuple[float, float] | None:
         """(a, b): seconds per step and per row, both >= 0; `prior` before any step (None without one)."""
-        if not self.timings:
+        if not self.steps:
             return prior
         fastest, seen = self.points()
         if len(seen) < 2 or max(seen) - min(seen) < MIN_SPREAD:
@@ -199,16 +185,15 @@ def plan_k(
     target: Callable[[int], float],
     draft: Callable[[int], float],
     first_rows: int | None = None,
-    plain: float | None = None,
 ) -> int:
     """The K every decode of an engine-loop step drafts: the k in 0..max_k with the most expected tokens per second,
     each sequence's round bringing 1 + a + ... + a^k tokens at its own acceptance a, the step taking `target`(B x
     (k + 1)) seconds for its B decodes after k draft steps, the first of `first_rows` rows (what the draft has not
-    seen yet; default B), the others of B rows, each `draft`(rows) (ties: the shorter round), against a plain step of
-    `plain` seconds (default `target`(B)). For one sequence whose steps cost a + b * rows this is best_k."""
+    seen yet; default B), the others of B rows, each `draft`(rows) (ties: the shorter round). For one sequence whose
+    steps cost a + b * rows this is best_k."""
     decodes = len(acceptances)
     first = draft(decodes if first_rows is None else first_rows)
-    best, best_rate = 0, decodes / (target(decodes) if plain is None else plain)
+    best, best_rate = 0, decodes / target(decodes)
     runs, tokens = [1.0] * decodes, float(decodes)
     for k in range(1, max_k + 1):
         runs = [run * a for run, a in zip(runs, acceptances)]

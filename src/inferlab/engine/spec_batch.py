@@ -23,15 +23,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from inferlab.engine.adaptive_k import (
-    BACKOFF,
-    MAX_BACKOFF,
-    UNTIMED_PLAIN,
-    Acceptance,
-    Calibration,
-    StepCost,
-    plan_k,
-)
+from inferlab.engine.adaptive_k import BACKOFF, MAX_BACKOFF, Acceptance, Calibration, StepCost, plan_k
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.draft_pool import LoopDrafts
 from inferlab.engine.drafters import Proposal
@@ -68,11 +60,6 @@ class LoopSpeculation:
             self.plain_steps = 0  # no acceptance would pay for drafting (under load): nothing to probe
             return [0] * len(decodes)
         k = plan_k(acceptances, self.speculation.k, target, draft, first_rows)
-        if k and not self.step_cost.timed(len(decodes)):
-            # a plain step of these decodes was not timed lately, only estimated (once the loop drafts, from its
-            # verifications of tens of rows): where drafting may not pay against what it could cost, time it
-            plain = UNTIMED_PLAIN * target(len(decodes))
-            k = plan_k(acceptances, self.speculation.k, target, draft, first_rows, plain)
         if k:
             self.plain_steps, self.backoff = 0, BACKOFF
             return [k] * len(decodes)
