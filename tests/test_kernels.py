@@ -201,6 +201,26 @@ def test_int4_gemv_with_int8_activations_is_the_int8_block_code_product(isa, lay
 
 
 @needs_gemv
+@pytest.mark.parametrize("layout", ["rows", "tiles"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int4_gemv_with_int8_activations_sums_the_largest_block_dots_exactly(isa, layout, sign):
+    """On AVX2 a block's products of nibbles and int8 codes are summed in int16 lanes until the block's end: every
+    code 15 against activation codes of +-127 (16 products a lane, +-30,480, the most there can be) comes out exact."""
+    n, k = 2 * int4_tile_rows(), 256
+    codes = torch.full((n, k), 15, dtype=torch.uint8)
+    scales, mins = torch.ones(n, k // 32), torch.zeros(n, k // 32)
+    weight = pack_nibbles(codes)
+    scales_in, mins_in = scales, mins
+    if layout == "tiles":
+        weight = tile_rows(weight, scales, mins, int4_tile_rows())
+        _, scales_in, mins_in = tile_parts(weight, k // 32)
+    x = torch.full((3, k), sign)
+    y = gemv(x, weight, scales_in, None, None, False, mins_in, int8_activations=True)
+    exact, _ = int4_int8_block_code_product(x, codes, scales, mins, None, 32)
+    assert torch.allclose(exact, torch.full_like(exact, sign * 15 * k)) and torch.allclose(y.double(), exact, rtol=1e-6)
+
+
+@needs_gemv
 @pytest.mark.parametrize(("k", "group_size"), [(1056, 32), (1536, 64)])
 def test_int4_tiles_give_the_row_layouts_products_to_the_bit(isa, k, group_size):
     """Weights laid out as the kernel's tiles (a layer's own, read in place by the fused step) multiply exactly as

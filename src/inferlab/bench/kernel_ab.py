@@ -1,7 +1,7 @@
 """Two builds of the CPU kernels timed side by side in one process: this checkout's csrc/ and another copy of it
 (a change under test), on the same products of SmolLM2's layer shapes, in turns, round after round.
 
-    python -m inferlab.bench.kernel_ab OTHER_CSRC [--formats fp32,bf16,int8,int4] [--rows 1,5,128] [--layers 1]
+    python -m inferlab.bench.kernel_ab OTHER_CSRC [--formats fp32,bf16,int8,int4,int4_x8] [--rows 1,5,128] [--layers 1]
 
 On a shared machine the speed of one process drifts by tens of percent within minutes, so two processes run one
 after the other (one per build) disagree by more than most kernel changes are worth; in turns within one process
@@ -30,7 +30,7 @@ from inferlab.kernels.isa import Isa
 from inferlab.quant.int4 import pack_nibbles, quantize_groups_int4, tile_parts, tile_rows
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's qkv, o, gate|up, down (N, K)
-FORMATS = ("fp32", "bf16", "int8", "int4")
+FORMATS = ("fp32", "bf16", "int8", "int4", "int4_x8")  # int4_x8: int4 weights, int8 activation codes (a draft's)
 Weights = tuple[Tensor, Tensor | None, Tensor | None]  # weight, scales, mins as the gemv op takes them
 
 
@@ -62,7 +62,7 @@ def load_build(csrc: Path, isa: Isa) -> Any:
 
 def random_weights(weight_format: str, n: int, k: int, tile_rows_: int) -> Weights:
     """An (n, k) layer in `weight_format`, random values, laid out as the kernels read it."""
-    if weight_format == "int4":
+    if weight_format.startswith("int4"):
         codes, scales, mins = quantize_groups_int4(torch.randn(n, k), 32)
         tiles = tile_rows(pack_nibbles(codes), scales, mins, tile_rows_)
         _, tile_scales, tile_mins = tile_parts(tiles, scales.shape[1])
@@ -92,7 +92,8 @@ def compare(
             repeats = max(1, int(min_flops // flops))
 
             def run(ops: Any) -> list[Tensor]:
-                return [ops.gemv(x, w, s, None, None, 0.0, mins, False) for x, (w, s, mins) in zip(xs, weights)]
+                x8 = weight_format == "int4_x8"
+                return [ops.gemv(x, w, s, None, None, 0.0, mins, False, x8) for x, (w, s, mins) in zip(xs, weights)]
 
             same = all(torch.equal(a, b) for a, b in zip(*(run(ops) for ops in builds)))
             seconds: list[list[float]] = [[], []]
