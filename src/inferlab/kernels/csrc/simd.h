@@ -95,7 +95,7 @@ struct Lanes<8> {
   // Quads u.s (u uint8, s int8) summed into `quad sums`: with VNNI int32 lanes, one instruction; on AVX2 the pairs of
   // products and their sums stay in int16 lanes (maddubs saturates there: the caller keeps every lane's sum within
   // int16, as a block's int4 codes times int8 codes do, 8 x 2 x 15 x 127), and quad_sums_total adds their pairs into
-  // int32 once (a block's 4 chunks: 2 instructions per chunk and activation row instead of 3 each, then 1)
+  // int32 once per block of the caller's (2 instructions a call instead of 3, and 1 a block to widen)
 #ifdef INFERLAB_AVX512
   static I dot_int16(I acc, I a, I b) { return _mm256_dpwssd_epi32(acc, a, b); }  // + pairs a.b (VNNI)
   static I dot_uint8(I acc, I u, I s) { return _mm256_dpbusd_epi32(acc, u, s); }  // + quads u.s (VNNI)
