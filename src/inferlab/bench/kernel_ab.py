@@ -86,13 +86,13 @@ def compare(
     results = []
     for weight_format in formats:
         weights = [random_weights(weight_format, n, k, tile_rows_) for n, k in shapes]
+        x8 = weight_format == "int4_x8"  # int8 activation codes
         for m in rows:
             xs = [torch.randn(m, k) for _, k in shapes]
             flops = 2 * m * sum(n * k for n, k in shapes)
             repeats = max(1, int(min_flops // flops))
 
             def run(ops: Any) -> list[Tensor]:
-                x8 = weight_format == "int4_x8"
                 return [ops.gemv(x, w, s, None, None, 0.0, mins, False, x8) for x, (w, s, mins) in zip(xs, weights)]
 
             same = all(torch.equal(a, b) for a, b in zip(*(run(ops) for ops in builds)))
