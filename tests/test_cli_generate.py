@@ -28,13 +28,12 @@ def test_default_model_answers_paris():
     [
         (["prompt=hi", "model=no-such-model"], "Could not find 'model/no-such-model'"),
         (["prompt=hi", "model=local"], "Missing mandatory value: model.path"),
-        (["prompt=hi", "model=local", "model.path=/nonexistent/model.gguf"], "GGUF file not found"),
-        (["prompt=hi", "model=local", "model.path=README.md"], "is not a GGUF file"),
         (["prompt=", "max_new_tokens=2"], "prompt must not be empty"),
         (["prompt=" + "word " * 200, "chat=false", "cache.max_seq_len=64"], "the context allows at most 48"),
     ],
 )
 def test_bad_input_is_one_clear_line(overrides, message):
+    # what a model's files can get wrong: test_cli_model_errors.py
     result = generate(*overrides)
     assert result.returncode != 0
     assert message in result.stderr

@@ -1,5 +1,6 @@
-"""model=local at the command line: what a user can get wrong about the files is one line on stderr, exit 2,
-no traceback (inferlab-generate as a subprocess)."""
+"""model=local: what a user can get wrong about the files is an error whose first line says what (every case
+through load_engine in this process), and inferlab-generate prints that line alone on stderr, exit 2, no traceback
+(one case as a subprocess: the console scripts' wrapper, cli.py, prints every InferlabError so)."""
 
 import json
 import subprocess
@@ -10,7 +11,8 @@ import pytest
 from conftest import byte_level_backend
 from gguf_writer import add_vocab, byte_level_vocab
 
-pytestmark = pytest.mark.slow
+from inferlab import load_engine
+from inferlab.errors import InferlabError
 
 
 def generate_with(path) -> subprocess.CompletedProcess:
@@ -49,6 +51,7 @@ LLAMA = dict(
 )
 CASES = {
     "missing path": (lambda p: p / "nowhere", "not found"),
+    "missing GGUF file": (lambda p: p / "model.gguf", "GGUF file not found"),
     "empty directory": (lambda p: p, "not an HF checkpoint directory"),
     "no weights": (lambda p: hf_dir(p, LLAMA, weights=False), "not an HF checkpoint directory"),
     "no tokenizer": (lambda p: hf_dir(p, LLAMA, tokenizer=False), "no tokenizer.json"),
@@ -66,8 +69,16 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_model_errors_are_one_line(case, tmp_path):
+def test_model_errors_say_what_is_wrong_in_their_first_line(case, tmp_path):
     make, expected = CASES[case]
+    with pytest.raises(InferlabError) as error:
+        load_engine(model="local", device="cpu", **{"model.path": str(make(tmp_path))})
+    assert expected in str(error.value).strip().splitlines()[0]
+
+
+@pytest.mark.slow
+def test_the_cli_prints_a_model_error_as_one_line(tmp_path):
+    make, expected = CASES["unsupported GGUF architecture"]
     result = generate_with(make(tmp_path))
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()

@@ -1,5 +1,8 @@
 """The embedded SmolLM2 GGUF loaded by inferlab against the same file loaded by transformers."""
 
+import functools
+
+import gguf
 import pytest
 import torch
 
@@ -30,10 +33,17 @@ def gguf_file():
 
 @pytest.fixture(scope="module")
 def reference(gguf_file):
+    """transformers' own loading of the file. It parses the file three times (tokenizer, config, weights) and
+    rebuilds gguf's tensor-name table for each of the model's ~400 modules: ~100 s on a slow 2-core machine. Both
+    are memoized while it loads (a reader only reads; the table is a function of its arguments), so every value
+    it reads is the same, read once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
     return model.eval(), tokenizer
 
 
