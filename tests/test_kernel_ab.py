@@ -9,6 +9,7 @@ from inferlab.bench import kernel_ab as ab
 from inferlab.kernels.build import CSRC, cpu_gemv_available
 
 
+@pytest.mark.full  # compiles a copy of gemv.cpp: ~25 s of both cores where nothing else runs
 def test_a_copy_with_other_activation_codes_differs_only_where_they_are_read(tmp_path):
     if not cpu_gemv_available():
         pytest.skip("no CPU kernels on this machine")

@@ -11,7 +11,9 @@ from test_bench_smoke import bench
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])  # the launchers extra, which make setup installs
+@pytest.mark.parametrize(
+    "launcher", ["joblib", pytest.param("submitit_local", marks=pytest.mark.full)]
+)  # the launchers extra, which make setup installs
 def test_a_smoke_sweep_through_the_launcher_writes_one_ok_result_per_job(launcher, tmp_path: Path):
     # two of the sweep's three jobs: enough for a launcher to run jobs apart, each writing its own result
     run = bench(

@@ -113,7 +113,11 @@ def rows_are_batch_invariant(engine) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision,spec", [("fp32", "self"), ("bf16", "self"), ("int8", "self"), ("int4", "ngram")])
+@pytest.mark.parametrize(
+    "precision,spec",
+    [("fp32", "self"), pytest.param("bf16", "self", marks=pytest.mark.full)]
+    + [pytest.param("int8", "self", marks=pytest.mark.full), ("int4", "ngram")],
+)
 def test_load_engine_spec_matches_greedy(precision, spec):
     """SmolLM2 on a free-text chat prompt, 64 greedy tokens: spec off's very tokens, the drafts decoding
     through their own fused step (spec=self: the GGUF's Q4_1 blocks). The int8 target once differed here:

@@ -187,7 +187,7 @@ def test_batched_speculation_samples_the_target_distribution(tiny_tokenizer, kin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.full)])
 def test_real_model_batched_spec_self_gives_spec_off_tokens(precision):
     """SmolLM2, 4 chat prompts together through the engine loop, spec=self (its int4 draft over the target's
     KV) against spec off: the same greedy tokens, the drafts mostly accepted, every block back. Every step on the
