@@ -31,36 +31,31 @@ MIN_COSINE = {"fp32": 0.999999, "int8": 0.99, "int4": 0.99}
 BF16_MIN_COSINE_TO_FP32 = 0.998
 
 
-def teacher_forced_logits(engine, tokens: list[int]) -> list[torch.Tensor]:
-    """Logits after the prompt and after each given token: every engine sees the same sequence."""
-    logits, seq = engine.prefill(engine.tokenizer.encode(PROMPT), reserve_tokens=len(tokens))
-    out = [logits.float()]
-    for token in tokens:
-        out.append(engine.decode_step(token, seq).float())
+def decode_logits(engine, tokens: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """The STEPS tokens fed after the prompt (`tokens`, so that every engine sees the same sequence, or else each
+    step's greedy token) and the logits after the prompt and after each of them."""
+    logits, seq = engine.prefill(engine.tokenizer.encode(PROMPT), reserve_tokens=STEPS)
+    fed, out = [], [logits.float()]
+    for step in range(STEPS):
+        fed.append(int(out[-1].argmax()) if tokens is None else tokens[step])
+        out.append(engine.decode_step(fed[-1], seq).float())
     seq.release()
-    return out
+    return fed, out
 
 
 @functools.cache
 def portable_run(precision: str) -> tuple[list[int], list[torch.Tensor]]:
-    """The portable engine's STEPS greedy tokens and its logits before each and after the last (once per
-    precision): what teacher_forced_logits gives on those tokens."""
+    """The portable engine's greedy tokens and its logits on them (once per precision)."""
     portable = load_engine(precision=precision, device="cpu", **OVERRIDES, **{"device.kernels": "portable"})
     assert not portable.kv_cache.decode_kernel and portable.fused is None
-    logits, seq = portable.prefill(portable.tokenizer.encode(PROMPT), reserve_tokens=STEPS)
-    tokens, out = [], [logits.float()]
-    for _ in range(STEPS):
-        tokens.append(int(out[-1].argmax()))
-        out.append(portable.decode_step(tokens[-1], seq).float())
-    seq.release()
-    return tokens, out
+    return decode_logits(portable)
 
 
 @functools.cache
 def fp32_logits(tokens: tuple[int, ...]) -> list[torch.Tensor]:
     """The portable fp32 engine's teacher-forced logits on the bf16 tokens (once, for every kernel build)."""
     fp32 = load_engine(precision="fp32", device="cpu", **OVERRIDES, **{"device.kernels": "portable"})
-    return teacher_forced_logits(fp32, list(tokens))
+    return decode_logits(fp32, list(tokens))[1]
 
 
 def cosines(expected: list[torch.Tensor], got: list[torch.Tensor]) -> torch.Tensor:
@@ -72,7 +67,7 @@ def test_fast_kernels_match_portable_path(isa, precision):
     tokens, expected = portable_run(precision)
     fast = load_engine(precision=precision, device="cpu", **OVERRIDES, **{"device.isa": isa})
     assert fast.kv_cache.decode_kernel and fast.fused is not None and fast.fused.isa == isa  # one C++ call a step
-    got = teacher_forced_logits(fast, tokens)
+    got = decode_logits(fast, tokens)[1]
     agree = sum(int(e.argmax()) == int(g.argmax()) for e, g in zip(expected, got))
     assert agree == len(expected) if precision == "fp32" else agree >= len(expected) - 1
     if precision == "bf16":
