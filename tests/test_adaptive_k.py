@@ -142,6 +142,24 @@ def test_a_step_curve_follows_the_timed_row_counts_and_the_fitted_slope_past_the
     assert busier.curve(busier.fit((0.016, 0.001)))(16) == pytest.approx(2 * 0.032)
 
 
+def test_verifications_past_the_plain_steps_are_priced_as_timed_even_once():
+    """fp32 SmolLM2 at c=4 on a 2-core AVX2 EPYC, as the engine loop timed it (fastest per row count, times timed):
+    plain steps of 1 and 4 rows (fused, both ~28.8 ms) often, verifications of B x (K + 1) rows a few times each.
+    A slope through the two plain knots alone (flat) priced the 8 rows of K = 1 at 28.8 ms; timed once or thrice,
+    the row counts past them say 44-77 ms, and with a 24.9 ms draft step plain decoding wins (4 tokens in 28.8 ms
+    against ~7.8 in ~75)."""
+    timed = {1: (0.0289, 4), 4: (0.0288, 4), 5: (0.0429, 3), 7: (0.0445, 3), 13: (0.0768, 1), 20: (0.1043, 3)}
+    step = StepCost()
+    for rows, (seconds, times) in timed.items():
+        for _ in range(times):
+            step.observe(rows, seconds)
+    seconds = step.curve(step.fit())
+    assert seconds(4) == pytest.approx(0.0288) and seconds(7) == pytest.approx(0.0445)
+    assert seconds(12) == pytest.approx(0.0445 + (0.0768 - 0.0445) * 5 / 6)  # between 7 and 13 rows, timed 3x and 1x
+    assert seconds(16) > seconds(13) and seconds(24) >= seconds(20)
+    assert plan_k([0.95] * 4, 6, seconds, lambda rows: 0.0249) == 0
+
+
 def brute_force_plan(acceptances, max_k, target, draft, first_rows=None):
     decodes = len(acceptances)
     first = draft(first_rows or decodes)

@@ -155,15 +155,23 @@ class StepCost:
         return mean_t - b * mean_r, b
 
     def curve(self, line: tuple[float, float]) -> Callable[[int], float]:
-        """Seconds of a step of `rows` rows: between two row counts timed MIN_SAMPLES times, on the line between their
-        fastest steps, and past them on the slope of `line` (this cost's fit) from the nearest one (a kernel that
+        """Seconds of a step of `rows` rows: between two row counts timed MIN_SAMPLES times (knots), on the line between
+        their fastest steps, and past them on the slope of `line` (this cost's fit) from the nearest one (a kernel that
         switches paths past some row count makes a staircase, not a line: fp32 SmolLM2 steps of 8, 9 and 16 rows took
-        27.5, 36.5 and 39.3 ms); `line` itself where none is. Below the fewest rows timed, never under that step's
-        share of its rows (a step's fixed cost only raises it): once a loop has drafted for a while only its
-        verifications are timed (tens of rows), and a slope through them can reach 0 s for a plain step of a few rows,
-        which adaptive K divides by (the serving_spec study's bf16 spec=self server: every later step failed)."""
+        27.5, 36.5 and 39.3 ms); `line` itself where none is. Past the last knot every row count timed is a knot too,
+        at its fastest however few times it was timed: those are a drafting loop's verifications, B x (K + 1) rows
+        with B and K changing, which seldom repeat a count MIN_SAMPLES times, and a slope through the plain steps'
+        knots alone priced them as nearly free (fp32 SmolLM2 on a 2-core AVX2 EPYC: knots at 1 and 4 rows, both 28.8
+        ms, put 8 and 12 rows at 28.8 ms where 7 took 44.5 and 13 took 76.8). A single timing errs only on the dear
+        side (others on a shared machine only slow a step), against drafting. Below the fewest rows timed, never under
+        that step's share of its rows (a step's fixed cost only raises it): once a loop has drafted for a while only
+        its verifications are timed (tens of rows), and a slope through them can reach 0 s for a plain step of a few
+        rows, which adaptive K divides by (the serving_spec study's bf16 spec=self server: every later step failed)."""
         a, b = line
-        knots = sorted(self.points()[1].items())
+        fastest, seen = self.points()
+        knots = sorted(seen.items())
+        if knots:  # past the last knot, every row count timed is one too, at its fastest even if timed once
+            knots += sorted((rows, s) for rows, s in fastest.items() if rows > knots[-1][0])
 
         def seconds(rows: int) -> float:
             if not knots:
