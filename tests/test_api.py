@@ -34,6 +34,41 @@ def test_unknown_group_value_is_a_clear_error():
         load_engine(model="no-such-model")
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"precision": "fp32", "+precision.activations": "int8"}, "precision.activations=int8 is for int4 weights"),
+        ({"model": "tiny-random", "precision.activations": "int8"}, r"int4 weights \(this model runs fp32\)"),  # auto
+        ({"precision": "int4", "precision.activations": "int4"}, "precision.activations must be int16 or int8"),
+    ],
+)
+def test_int8_activation_codes_are_refused_where_they_do_not_apply(overrides, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        load_engine(device="cpu", **overrides)
+
+
+def test_int8_activation_codes_reach_the_fused_step():
+    """precision.activations=int8: the fused step's int4 products take int8 codes (the Python model, the reference,
+    keeps int16 ones), and the engine says so."""
+    engines = {
+        codes: load_engine(
+            model="tiny-random", precision="int4", cache="paged", device="cpu", **{"precision.activations": codes}
+        )
+        for codes in ("int16", "int8")
+    }
+    if engines["int8"].fused is None:
+        pytest.skip("no fused step here (no AVX2 CPU or no C++ toolchain)")
+    assert "int8 activation codes" in engines["int8"].describe()
+    assert "activation codes" not in engines["int16"].describe()
+    ids = engines["int8"].tokenizer.encode("Once upon a time")
+    first = {}
+    for codes, engine in engines.items():
+        first[codes], seq = engine.prefill(ids)
+        seq.release()
+    assert not torch.equal(first["int8"], first["int16"])
+    assert torch.nn.functional.cosine_similarity(first["int8"], first["int16"], dim=0) >= 0.99
+
+
 def test_shape_presets_compose_with_their_real_architectures():
     qwen = compose("engine", ["model=qwen2.5-0.5b"]).model.architecture
     llama = compose("engine", ["model=llama-3.2-1b"]).model.architecture

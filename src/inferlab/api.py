@@ -72,8 +72,11 @@ def resolve_precision(cfg: DictConfig) -> str:
     if cfg.precision.name != "auto":
         return cfg.precision.name
     name, why = native_precision(OmegaConf.to_container(cfg.model, resolve=True))
+    chosen = precision_config(name)
+    with open_dict(chosen):  # what precision=auto was asked for an int4 choice (int8_activations_of checks it)
+        chosen.activations = cfg.precision.activations
     with open_dict(cfg):
-        cfg.precision = precision_config(name)
+        cfg.precision = chosen
     return f"{name} (auto: {why})"
 
 
@@ -134,6 +137,7 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
     if cfg.cache.prefix and cfg.cache.mode != "paged":
         raise InvalidRequestError(f"cache.prefix=true needs cache=paged (got cache={cfg.cache.mode})")
     kv_dtype = kv_dtype_of(cfg.cache)
+    int8_activations = int8_activations_of(cfg.precision)
     choose_isa(device, cfg.device.kernels, cfg.device.isa)
     # int4 at Q4_1's group size imports a GGUF's blocks as they are: those Linears are never dequantized
     leave_q4_1 = cfg.precision.quant == "int4" and cfg.precision.get("group_size") == Q4_1_GROUP
@@ -176,6 +180,7 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
         scheduler=SchedulerConfig(**cfg.scheduler),
         kernels=cfg.device.kernels,
         kv_dtype=kv_dtype,
+        int8_activations=int8_activations,
         small_steps=StepThreads(cfg.device.small_step_threads or 0, cfg.device.small_step_rows or 0),
     )
     engine = InferenceEngine(loaded, config, speculation)
@@ -193,6 +198,16 @@ def kv_dtype_of(cache: DictConfig) -> torch.dtype | None:
     if cache.mode != "paged":
         raise InvalidRequestError(f"cache.kv_dtype=int8 needs cache=paged (got cache={cache.mode})")
     return KV_INT8
+
+
+def int8_activations_of(precision: DictConfig) -> bool:
+    """precision.activations (int4 weights only): int16 codes per row (False) or int8 codes per block of 32 (True)."""
+    activations = precision.get("activations", "int16")
+    if activations not in ("int16", "int8"):
+        raise InvalidRequestError(f"precision.activations must be int16 or int8 (got {activations})")
+    if activations == "int8" and precision.quant != "int4":
+        raise InvalidRequestError(f"precision.activations=int8 is for int4 weights (this model runs {precision.name})")
+    return activations == "int8"
 
 
 def _override_value(value: Any) -> str:

@@ -62,6 +62,7 @@ class EngineConfig:
     kernels: str  # "fast" | "portable": kernels/select.py (device.kernels)
     precision: str = ""  # the precision served and, for precision=auto, why (the startup line)
     kv_dtype: torch.dtype | None = None  # paged: the KV pool's element type; None = dtype, torch.int8 = codes + scales
+    int8_activations: bool = False  # the fused step's int4 products take int8 codes per block (precision.activations)
     small_steps: StepThreads = StepThreads()  # the engine loop's intra-op threads for steps of a few rows
 
     @property
@@ -100,7 +101,7 @@ class InferenceEngine:
         decode_kernel = decode_attention_applies(config.device, config.dtype, loaded.config.head_dim, config.kernels)
         # a cached forward of up to FusedDecode.covers rows runs as one C++ call (None: the Python model)
         self.fused = (
-            FusedDecode.build(self.model, config.device, config.dtype, config.kernels)
+            FusedDecode.build(self.model, config.device, config.dtype, config.kernels, config.int8_activations)
             if config.cache_mode != "none"
             else None
         )
@@ -411,6 +412,8 @@ class InferenceEngine:
         """The serving choices in one line: precision, KV memory, how many sequences run at once."""
         c = self.config
         parts = [f"precision {c.precision or c.dtype}", f"cache={c.cache_mode}"]
+        if c.int8_activations and self.fused is not None:
+            parts.insert(1, "int8 activation codes on the fused step")
         if c.cache_mode == "paged":
             parts.append(
                 f"{self.blocks.num_blocks} KV blocks of {c.block_size} tokens in {str(c.cache_dtype).removeprefix('torch.')} "
