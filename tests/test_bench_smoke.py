@@ -298,6 +298,11 @@ def test_serving_spec_drives_spec_off_and_self_at_one_precision_in_one_job(tmp_p
         assert row["output_tokens_per_request"] == rows[0]["output_tokens_per_request"] > 0  # whole answers, both
         # load by load over spec off's: 1 for spec off itself (its own loads), a positive ratio for spec=self
         assert row["vs_spec_off"] == 1.0 if row["server"].endswith("spec=off") else row["vs_spec_off"] > 0
+        # the engine's speculation counters over the same loads, from the speculating server alone
+        assert ("tokens_per_target_call" in row) == row["server"].endswith("spec=self")
+    for row in (row for row in rows if row["server"].endswith("spec=self")):
+        assert row["tokens_per_target_call"] >= 1 and row["drafts_per_round"] >= 0
+        assert 0 <= row["spec_acceptance"] <= 1
     logs = {
         spec: (result_dir(tmp_path) / f"inferlab_precision=fp32_spec={spec}.log").read_text()
         for spec in ("off", "self")

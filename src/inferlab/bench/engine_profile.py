@@ -5,7 +5,7 @@ the CPU time of its process and its HTTP event loop; the difference of two scrap
 its steps or its wall time, says what a step held and where its time went: the forward (and its attention
 outside the matrix products; and per token row, what one more sequence costs at that load), scheduling and
 packing, sampling, the hand-off to the event loop, the engine thread waiting for a core, the loop idle for lack
-of work.
+of work; and with speculation on, how much it drafted and how much of that was kept.
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ PROFILE_COLUMNS = (
     "event_loop_cpu_pct",
     "process_cpu_pct",
 )
+
+
+# With speculation on (engine/spec_batch.py), over the same load: tokens per target round of a sequence (1 where it
+# decodes plainly), draft tokens it proposed per round (adaptive K's mean, its plain rounds included), and the share
+# of the proposed drafts the target kept (0 when none was proposed)
+SPEC_COLUMNS = ("tokens_per_target_call", "drafts_per_round", "spec_acceptance")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -66,4 +72,14 @@ def step_profile(before: dict[str, float], after: dict[str, float], wall_s: floa
         "engine_ttft_ms": 1e3 * d["engine_first_token_s"] / max(d["engine_first_tokens"], 1.0),
         "event_loop_cpu_pct": 100 * d["cpu_s_event_loop"] / wall_s,
         "process_cpu_pct": 100 * d["cpu_s_process"] / wall_s,
+    } | (spec_profile(d) if "spec_target_calls" in d else {})
+
+
+def spec_profile(d: dict[str, float]) -> dict[str, float]:
+    """The SPEC_COLUMNS from the differences `d` of the speculation counters over a load."""
+    rounds = max(d["spec_target_calls"], 1.0)
+    return {
+        "tokens_per_target_call": d["spec_generated"] / rounds,
+        "drafts_per_round": d["spec_proposed"] / rounds,
+        "spec_acceptance": d["spec_accepted"] / max(d["spec_proposed"], 1.0),
     }

@@ -32,7 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from inferlab.bench.engine_profile import PROFILE_COLUMNS, scrape, step_profile
+from inferlab.bench.engine_profile import PROFILE_COLUMNS, SPEC_COLUMNS, scrape, step_profile
 from inferlab.bench.loadgen import HTTPTarget, LoadSpec, measure
 from inferlab.bench.peer_servers import ServerSpec, inferlab_server, llama_cpp_server, vllm_server
 from inferlab.bench.prompts import Prompt, load_tokenizer, make_prompts
@@ -98,6 +98,7 @@ def run(cfg: DictConfig) -> Rows:
         base = None
         for c in levels:
             measured = METRICS + (PROFILE_COLUMNS if spec.profiled else ())
+            measured += tuple(m for m in SPEC_COLUMNS if m in samples[spec.name, c][0])  # a speculating server's
             row = {m: statistics.median(s[m] for s in samples[spec.name, c]) for m in measured}
             # a server that cuts answers short shows it here (and its tok/s means little)
             row["output_tokens_per_request"] = statistics.median(
