@@ -69,6 +69,13 @@ def test_int8_activation_codes_reach_the_fused_step():
     assert torch.nn.functional.cosine_similarity(first["int8"], first["int16"], dim=0) >= 0.99
 
 
+def test_int8_activation_codes_without_a_fused_step_say_they_do_nothing(caplog):
+    overrides = {"precision.activations": "int8", "device.kernels": "portable"}
+    engine = load_engine(model="tiny-random", precision="int4", cache="paged", device="cpu", **overrides)
+    assert engine.fused is None and "activation codes" not in engine.describe()
+    assert "precision.activations=int8 has no effect here" in caplog.text
+
+
 def test_shape_presets_compose_with_their_real_architectures():
     qwen = compose("engine", ["model=qwen2.5-0.5b"]).model.architecture
     llama = compose("engine", ["model=llama-3.2-1b"]).model.architecture

@@ -184,6 +184,11 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
         small_steps=StepThreads(cfg.device.small_step_threads or 0, cfg.device.small_step_rows or 0),
     )
     engine = InferenceEngine(loaded, config, speculation)
+    if int8_activations and engine.fused is None:
+        log.warning(
+            "precision.activations=int8 has no effect here: it applies to the fused CPU step, which this engine does "
+            "not run (device.kernels=portable, a GPU, or no C++ toolchain)"
+        )
     if speculation is not None:  # adaptive K counts a draft step in target steps as timed here, not as bytes
         speculation.drafter.measure_cost(loaded.model, engine.fused, speculation.k + 1)
     return engine
