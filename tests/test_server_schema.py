@@ -70,7 +70,7 @@ def test_schema_states_the_caps_auth_and_statuses_the_server_enforces(tiny_token
 # with keys, a run checks what auth adds (every route but /health and /metrics refuses a request without the key,
 # and takes one with it); the request bodies it would generate are those the run without keys covers
 @pytest.mark.parametrize(
-    "api_keys, examples", [([], 40), pytest.param([KEY], 10, marks=pytest.mark.full)], ids=["auth-off", "auth-on"]
+    "api_keys, examples", [([], 20), pytest.param([KEY], 10, marks=pytest.mark.full)], ids=["auth-off", "auth-on"]
 )
 def test_schemathesis_all_checks_find_nothing(tmp_path, api_keys, examples):
     # Prompts of at most 1000 characters (4 tokens each at worst) and 256 chat messages' template tokens fit an
