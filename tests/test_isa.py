@@ -77,6 +77,12 @@ def test_each_set_builds_into_its_own_cache_dir_and_the_choice_is_logged(caplog)
         use_isa(before.name if before else "auto")
 
 
+def test_make_kernels_builds_every_set_the_cpu_runs_and_leaves_out_those_that_fail(monkeypatch):
+    monkeypatch.setattr(build, "supported_isas", lambda: ["avx2", "avx512"])
+    monkeypatch.setattr(build, "load_isa", lambda name: name == "avx2")  # as with a compiler lacking AVX-512 BF16
+    assert build.build_every_isa() == ["avx2"]
+
+
 def test_auto_falls_back_to_a_narrower_build_where_a_wider_one_does_not_build(monkeypatch):
     before = active_isa()
     monkeypatch.setattr(isa_module, "cpu_flags", lambda: AVX512)

@@ -206,3 +206,16 @@ def fast_kernels_apply(device: torch.device, dtype: torch.dtype, kernels: str) -
     return (
         kernels == "fast" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_gemv_available()
     )
+
+
+def build_every_isa() -> list[str]:
+    """Build (or find cached) every kernel build this CPU runs, as the first process to call each would; the builds
+    that failed are left out of what it returns."""
+    return [name for name in supported_isas() if load_isa(name)]
+
+
+if __name__ == "__main__":  # `make kernels`: ahead of the first process that needs them (CI does it during lint)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    supported, built = supported_isas(), build_every_isa()
+    print(f"CPU decode kernels built: {', '.join(built) or 'none'} (this CPU runs: {', '.join(supported) or 'none'})")
+    sys.exit(0 if built == supported else 1)
