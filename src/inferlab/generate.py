@@ -13,7 +13,7 @@ from inferlab.errors import InvalidRequestError
 
 @hydra_app("generate")
 def main(cfg: DictConfig) -> None:
-    if not str(cfg.prompt):  # before minutes of loading, not after
+    if not str(cfg.prompt):  # said before the model loads, not after
         raise InvalidRequestError("prompt must not be empty")
     engine = engine_from_config(cfg)
     stats = engine.load_stats
