@@ -40,7 +40,7 @@ test-full: setup
 	$(PYTEST)
 
 # The C++ decode kernels, every build this CPU runs (otherwise the first process that needs one builds it: ~2 min
-# of compiling on 2 cores, which CI spends while `make lint` runs instead of while test workers wait on it)
+# of compiling on 2 cores); exits non-zero where one of them does not compile (CI runs it after the tests)
 kernels: setup
 	$(PY) -m inferlab.kernels.build
 

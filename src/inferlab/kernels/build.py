@@ -214,7 +214,7 @@ def build_every_isa() -> list[str]:
     return [name for name in supported_isas() if load_isa(name)]
 
 
-if __name__ == "__main__":  # `make kernels`: ahead of the first process that needs them (CI does it during lint)
+if __name__ == "__main__":  # `make kernels`
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     supported, built = supported_isas(), build_every_isa()
     print(f"CPU decode kernels built: {', '.join(built) or 'none'} (this CPU runs: {', '.join(supported) or 'none'})")
