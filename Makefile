@@ -26,10 +26,9 @@ unexport PYTHONDONTWRITEBYTECODE
 run: setup
 	$(VENV)/bin/inferlab-generate prompt="What is the capital of France?"
 
-# The suite over every core (a worker more than the cores measured no faster: 2-core AVX2 EPYC, six of the slowest
-# files, two and three workers in turns, 258/246 s vs 254/259 s); a single file or test runs as usual with plain
-# pytest. With a worker per core, OpenMP threads that spin while they wait take the other worker's core: passive
-# waiting ran three real-model test files in 108 s, not 233 s.
+# The suite over every core (most tests are one thread waiting on a subprocess or a model load); a single
+# file or test runs as usual with plain pytest. With a worker per core, OpenMP threads that spin while they
+# wait take the other worker's core: passive waiting ran three real-model test files in 108 s, not 233 s.
 # `make test` (what CI runs) leaves out the tests marked `full` (pyproject.toml): the same checks again on other
 # formats, a second launcher and auth mode, and kernel_ab's own build; `make test-full` runs every test.
 PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n auto --dist worksteal

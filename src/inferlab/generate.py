@@ -8,13 +8,10 @@ from omegaconf import DictConfig
 
 from inferlab.api import engine_from_config
 from inferlab.cli import hydra_app
-from inferlab.errors import InvalidRequestError
 
 
 @hydra_app("generate")
 def main(cfg: DictConfig) -> None:
-    if not str(cfg.prompt):  # said before the model loads, not after
-        raise InvalidRequestError("prompt must not be empty")
     engine = engine_from_config(cfg)
     stats = engine.load_stats
     print(

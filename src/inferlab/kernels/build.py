@@ -215,7 +215,6 @@ def build_every_isa() -> list[str]:
 
 
 if __name__ == "__main__":  # `make kernels`
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     supported, built = supported_isas(), build_every_isa()
     print(f"CPU decode kernels built: {', '.join(built) or 'none'} (this CPU runs: {', '.join(supported) or 'none'})")
     sys.exit(0 if built == supported else 1)
