@@ -269,8 +269,7 @@ def test_no_sequence_drafts_while_the_timed_rows_cost_more_than_any_acceptance_b
     requests = [fake_request(i, [1, 2, 3], 16) for i in range(8)]
     # 8 decodes: 8 tokens in 24 ms; drafting one each and all accepted, 16 tokens in 40 + 10 ms
     assert all(loop.wanted(requests) == [0] * 8 for _ in range(3 * BACKOFF))
-    loop.acceptances[requests[0]].acceptance = 0.95  # alone: 1 token in 10 ms, or ~4.5 in 18 + 4 x 3 ms
-    assert loop.wanted(requests[:1])[0] > 0
+    assert loop.wanted(requests[:1])[0] > 0  # alone: 1 token in 10 ms, or up to 5 in 18 + 4 x 3 ms
 
 
 def test_every_decode_probes_after_backoff_steps_where_only_the_estimates_hold_drafting_back(tiny_tokenizer):

@@ -41,15 +41,6 @@ MAX_BACKOFF = 256  # the engine loop's plain steps between probes, doubled after
 WINDOW = 32  # the recent steps (and draftings) whose costs adaptive K counts
 MIN_SAMPLES = 4  # timings of a row count before its fastest is a point of the fitted line
 MIN_SPREAD = 3  # rows between the fewest and most rows timed before a row's cost is fitted
-# In the engine loop a round must promise this many times plain decoding's tokens per second before a step drafts.
-# The timed steps leave out what a drafting step costs around them (its verification's sampling, the hand-off of
-# several tokens a stream, the event loop's share of the cores in a server), each is priced at its fastest, and
-# plain steps, untimed while the loop drafts, are priced from the verifications' line above what they take. bf16
-# SmolLM2 served at c=8 on an AMX Xeon (a draft step of 8 rows ~0.6 of a target step of 8), spec=self against spec
-# off: K = 2 planned at 1.16x plain's rate gave 1.05x in the steps and 0.96x in the streams; K = 4-6 planned at
-# 1.18-1.25x lost too. With this bar at 1.15 the server still lost (0.954), at 1.25 it drafted in 3% of its rounds
-# (0.975; never drafting: 1.027); c=4 kept its gain (bf16 1.19x, fp32 1.24x), fp32 at c=8 fell from 1.06x to 1.01x.
-LOOP_MIN_GAIN = 1.25
 
 
 @dataclass
@@ -202,16 +193,15 @@ def plan_k(
     target: Callable[[int], float],
     draft: Callable[[int], float],
     first_rows: int | None = None,
-    min_gain: float = 1.0,
 ) -> int:
     """The K every decode of an engine-loop step drafts: the k in 0..max_k with the most expected tokens per second,
     each sequence's round bringing 1 + a + ... + a^k tokens at its own acceptance a, the step taking `target`(B x
     (k + 1)) seconds for its B decodes after k draft steps, the first of `first_rows` rows (what the draft has not
-    seen yet; default B), the others of B rows, each `draft`(rows) (ties: the shorter round); a k > 0 only where it
-    brings `min_gain` times plain decoding's rate. For one sequence whose steps cost a + b * rows this is best_k."""
+    seen yet; default B), the others of B rows, each `draft`(rows) (ties: the shorter round). For one sequence whose
+    steps cost a + b * rows this is best_k."""
     decodes = len(acceptances)
     first = draft(decodes if first_rows is None else first_rows)
-    best, best_rate = 0, decodes / target(decodes) * min_gain
+    best, best_rate = 0, decodes / target(decodes)
     runs, tokens = [1.0] * decodes, float(decodes)
     for k in range(1, max_k + 1):
         runs = [run * a for run, a in zip(runs, acceptances)]

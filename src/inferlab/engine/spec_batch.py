@@ -23,15 +23,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from inferlab.engine.adaptive_k import (
-    BACKOFF,
-    LOOP_MIN_GAIN,
-    MAX_BACKOFF,
-    Acceptance,
-    Calibration,
-    StepCost,
-    plan_k,
-)
+from inferlab.engine.adaptive_k import BACKOFF, MAX_BACKOFF, Acceptance, Calibration, StepCost, plan_k
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.draft_pool import LoopDrafts
 from inferlab.engine.drafters import Proposal
@@ -64,10 +56,10 @@ class LoopSpeculation:
         acceptances = [self._acceptance(r).acceptance for r in decodes]
         target, draft = self._costs()
         first_rows = sum(self.drafts.unseen(r) for r in decodes)
-        if not plan_k([1.0] * len(decodes), self.speculation.k, target, draft, first_rows, LOOP_MIN_GAIN):
+        if not plan_k([1.0] * len(decodes), self.speculation.k, target, draft, first_rows):
             self.plain_steps = 0  # no acceptance would pay for drafting (under load): nothing to probe
             return [0] * len(decodes)
-        k = plan_k(acceptances, self.speculation.k, target, draft, first_rows, LOOP_MIN_GAIN)
+        k = plan_k(acceptances, self.speculation.k, target, draft, first_rows)
         if k:
             self.plain_steps, self.backoff = 0, BACKOFF
             return [k] * len(decodes)
