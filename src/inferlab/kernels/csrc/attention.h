@@ -65,7 +65,9 @@ struct KvPool {
     const char* first = reinterpret_cast<const char*>(data + block * block_stride + h * head_stride);
     const int64_t bytes = n * row_stride * static_cast<int64_t>(sizeof(T));
     for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(first + offset, _MM_HINT_T0);
-    if constexpr (kInt8) _mm_prefetch(reinterpret_cast<const char*>(scales + block * scale_block_stride + h * scale_head_stride), _MM_HINT_T0);
+    if constexpr (kInt8) {
+      _mm_prefetch(reinterpret_cast<const char*>(scales + block * scale_block_stride + h * scale_head_stride), _MM_HINT_T0);
+    }
   }
 
   // f(start, rows, n, row_scales) for the blocks of head h's positions 0..L-1 in order: positions start..start+n-1
