@@ -6,12 +6,16 @@ import pytest
 
 from inferlab.engine.adaptive_k import (
     BACKOFF,
+    MAX_AGE,
     MIN_SAMPLES,
+    ROUNDS,
     WINDOW,
     AdaptiveK,
     Calibration,
     StepCost,
+    StepYields,
     best_k,
+    expected_tokens,
     plan_k,
 )
 
@@ -228,3 +232,52 @@ def test_k_given_measured_costs(target, decodes, expected):
 def test_a_calibrated_draft_token_costs_its_draft_step_and_its_verified_row():
     calibration = Calibration(a=0.008, b=0.002, draft_a=0.003, draft_b=0.001)
     assert calibration.token_cost() == pytest.approx((0.004 + 0.002) / 0.010)
+
+
+def test_step_yields_judge_a_k_by_its_recent_whole_steps():
+    """A (decodes, K)'s rate is its expected tokens times the median yield (tokens per second per expected token) of
+    its last ROUNDS steps, once MIN_SAMPLES were timed; yields older than MAX_AGE steps no longer count."""
+    timed = StepYields()
+    for _ in range(MIN_SAMPLES - 1):
+        timed.observe(8, 2, expected_tokens=24.0, tokens=20, seconds=0.05)
+    assert timed.rate(8, 2, 24.0) is None
+    timed.observe(8, 2, expected_tokens=24.0, tokens=20, seconds=0.05)
+    assert timed.rate(8, 2, 24.0) == pytest.approx(400.0)  # 20 tokens in 50 ms
+    assert timed.rate(8, 2, 12.0) == pytest.approx(200.0)  # acceptance fell since: half the expected tokens
+    assert timed.rate(4, 2, 12.0) is None and timed.rate(8, 1, 16.0) is None
+    for _ in range(ROUNDS):
+        timed.observe(8, 0, expected_tokens=8.0, tokens=8, seconds=0.016)
+    assert timed.rate(8, 0, 8.0) == pytest.approx(500.0)
+    for _ in range(MAX_AGE):
+        timed.observe(1, 0, expected_tokens=1.0, tokens=1, seconds=0.01)
+    assert timed.rate(8, 2, 24.0) is None and timed.rate(8, 0, 8.0) is None  # priced afresh
+
+
+def test_plan_k_goes_by_what_whole_steps_brought_where_they_were_timed():
+    """bf16 SmolLM2 at c=8 on a 2-core AMX Xeon, as the engine loop timed it: the pieces price K = 1 at 27.1 ms and a
+    plain step at 14.6 (K = 1 looks 1.06x as fast at acceptance 0.97), the whole steps took 32.3 and 15.8 ms. Timed
+    whole, plain decoding wins; a K not timed yet is priced with the error its kind showed (drafting's 0.82 here)."""
+    target = lambda rows: 0.0122 + 0.0003 * rows  # noqa: E731
+    draft = lambda rows: 0.0101  # noqa: E731
+    acceptances = [0.97] * 8
+    assert plan_k(acceptances, 1, target, draft) == 1
+    timed = StepYields()
+    for _ in range(MIN_SAMPLES):
+        timed.observe(8, 0, 8.0, 8, 0.0158)
+        timed.observe(8, 1, expected_tokens(acceptances, 1), 16, 0.0323)
+    assert plan_k(acceptances, 1, target, draft, timed=timed) == 0
+    assert plan_k(acceptances, 3, target, draft, timed=timed) == 0  # K = 2, 3 priced with K = 1's error: no better
+    assert plan_k(acceptances[:1], 3, target, draft, timed=timed) == 3  # one sequence: nothing timed, drafting pays
+
+
+def test_in_the_loop_a_k_must_bring_min_gain_over_plain_decoding():
+    timed = StepYields()
+    acceptances = [0.9] * 8
+    for _ in range(MIN_SAMPLES):
+        timed.observe(8, 0, 8.0, 8, 0.016)  # 500 tokens/s
+        timed.observe(8, 1, expected_tokens(acceptances, 1), 15, 0.03)  # 500 tokens/s
+        timed.observe(8, 2, expected_tokens(acceptances, 2), 21, 0.039)  # 538 tokens/s: 1.08x
+    line = lambda rows: 0.016  # noqa: E731
+    assert plan_k(acceptances, 2, line, line, timed=timed) == 2
+    assert plan_k(acceptances, 2, line, line, timed=timed, min_gain=1.1) == 0
+    assert plan_k(acceptances, 2, line, line, timed=timed, min_gain=1.05) == 2

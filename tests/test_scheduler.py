@@ -15,7 +15,7 @@ from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.engine import GenerationRequest, InferenceEngine
 from inferlab.engine.prefix_cache import PrefixCache
 from inferlab.engine.sampling import SamplingParams
-from inferlab.engine.scheduler import Scheduler, SchedulerConfig
+from inferlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request
 from inferlab.errors import CapacityError, OverloadedError
 
@@ -47,9 +47,15 @@ def fake_request(i: int, prompt: list[int], max_new: int, priority: int = 0) -> 
     )
 
 
-def fake_step(scheduler: Scheduler) -> None:
+def fake_step(scheduler: Scheduler) -> ScheduledBatch:
     """What the engine's step does with the model replaced by `next_token`."""
     batch = scheduler.schedule()
+    fake_run(scheduler, batch)
+    return batch
+
+
+def fake_run(scheduler: Scheduler, batch: ScheduledBatch) -> None:
+    """A scheduled step's work, each request fed and sampled with `next_token`."""
     check_invariants(scheduler)
     blocks = scheduler.blocks
     assert sum(n for _, n in batch.work) <= scheduler.config.max_batched_tokens
@@ -267,14 +273,21 @@ def test_a_long_prompt_is_chunked_and_never_stalls_running_decodes():
     assert scheduler.running[1].kv.num_computed == 23 and len(scheduler.running[1].output_ids) == 1
 
 
-def test_only_the_drafts_a_sequence_will_propose_take_room_and_budget():
-    """With speculation on, each decode gets room for its own K (asked per step): a sequence decoding plainly
-    (K = 0) takes no block and no budget from the prompts beside it."""
-    wanted = {0: 0, 1: 4}
+def test_only_the_drafts_a_sequence_will_propose_take_room_and_a_step_feeding_prompts_drafts_nothing():
+    """With speculation on, each decode of a step of decodes alone gets room for its own K (asked per step): a
+    sequence decoding plainly (K = 0) takes no block. A step that feeds a prompt asks no K and reserves nothing:
+    its draft steps would hold the prompt back."""
+    wanted = {0: 0, 1: 4, 2: 0}
+    asked = []
+
+    def drafts_wanted(decodes):
+        asked.append([r.request_id for r in decodes])
+        return [wanted[r.request_id] for r in decodes]
+
     scheduler = Scheduler(
         BlockManager(64, 4, 1),
         SchedulerConfig(max_running=4, max_waiting=8, max_batched_tokens=16),
-        drafts_wanted=lambda decodes: [wanted[r.request_id] for r in decodes],
+        drafts_wanted=drafts_wanted,
     )
     plain, drafting = fake_request(0, [1, 2, 3, 4], 30), fake_request(1, [5, 6, 7, 8], 30)
     scheduler.add(plain)
@@ -282,9 +295,20 @@ def test_only_the_drafts_a_sequence_will_propose_take_room_and_budget():
     fake_step(scheduler)  # both prompts; each has its first token now
     scheduler.add(fake_request(2, list(range(10, 40)), 4))  # 30 prompt tokens
     batch = scheduler.schedule()
-    assert batch.decodes == [plain, drafting] and batch.lookahead == [0, 4]
-    assert len(plain.kv.blocks) == 2 and len(drafting.kv.blocks) == 3  # 5 positions; 5 + 4 drafts
-    assert batch.prefills[0][1] == 16 - 2 - 4  # the budget the drafts left
+    assert batch.decodes == [plain, drafting] and batch.lookahead == [] and asked == []
+    assert len(plain.kv.blocks) == 2 and len(drafting.kv.blocks) == 2  # 5 positions each: no room for drafts
+    assert batch.prefills[0][1] == 16 - 2  # the whole budget the decodes left
+    fake_run(scheduler, batch)
+    while True:  # the prompt's later chunks: still no drafts
+        positions = drafting.num_tokens
+        batch = scheduler.schedule()
+        if not batch.prefills:  # three decodes alone
+            break
+        assert batch.lookahead == [] and asked == []
+        fake_run(scheduler, batch)
+    assert not batch.prefills and asked == [[0, 1, 2]] and batch.lookahead == [0, 4, 0]
+    assert len(drafting.kv.blocks) * 4 >= positions + 4 > (len(drafting.kv.blocks) - 1) * 4  # room for its 4 drafts
+    assert len(plain.kv.blocks) == -(-plain.num_tokens // 4)  # no more than its own positions
 
 
 def test_chunked_prefill_through_the_engine_gives_single_request_tokens(tiny_tokenizer):

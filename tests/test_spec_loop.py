@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_scheduler import assert_single_request_tokens, check_invariants, fake_request, operations, run_operations
 from test_spec import TOY_PROMPT, chi_square_pvalue, exact_sequence_probs, perturbed, toy_model
 
-from inferlab.engine.adaptive_k import BACKOFF, MAX_BACKOFF, MIN_SAMPLES, PRIOR, WEIGHT, Calibration
+from inferlab.engine.adaptive_k import BACKOFF, MAX_BACKOFF, MIN_SAMPLES, PRIOR, WEIGHT, Calibration, plan_k
 from inferlab.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.sampling import SamplingParams
@@ -365,3 +365,38 @@ def test_a_new_sequence_starts_from_the_loops_running_estimate(tiny_tokenizer):
     engine.speculation = speculation
     engine.loop.speculation.wanted([newcomer])
     assert engine.loop.speculation.acceptances[newcomer].acceptance == overall
+
+
+def test_the_step_after_a_request_ends_decodes_plainly(tiny_tokenizer):
+    """A closed-loop client sends its next request as soon as one ends: the step after an end drafts nothing, so that
+    the new prompt does not wait out K draft steps before its own step."""
+    engine = loop_engine(tiny_tokenizer, None, kv_blocks=64)
+    speculate(engine, drafter("self", engine.model), 4, adaptive=True)
+    loop = engine.loop.speculation
+    requests = [fake_request(i, [1, 2, 3], 16) for i in range(3)]
+    assert loop.wanted(requests)[0] > 0
+    requests[0].finish_reason = "length"
+    assert loop.wanted(requests[1:]) == [0, 0] and loop.planned is None
+    loop.propose(ScheduledBatch(decodes=requests[1:], lookahead=[0, 0]), requests[1:])  # forgets the ended request
+    assert loop.wanted(requests[1:])[0] > 0
+
+
+def test_the_loop_judges_each_k_by_its_whole_steps(tiny_tokenizer):
+    """Each step of decodes alone is timed whole, from its schedule to its tokens handed over, with the tokens it
+    brought, under the (decodes, K) its plan chose: a K whose steps brought fewer tokens a second than plain steps
+    (here: every drafting step made slow) is no longer chosen, though its pieces' prices say it pays."""
+    engine = loop_engine(tiny_tokenizer, None, kv_blocks=256)
+    speculate(engine, drafter("copy", engine.model), 4, adaptive=True)
+    loop = engine.loop.speculation
+    step_done = loop.step_done
+    loop.step_done = lambda decodes, tokens, seconds: step_done(decodes, tokens, seconds * (100 if tokens > 1 else 1))
+    prompts = [list(range(5 + i, 17 + i)) for i in range(3)]
+    engine.generate_batch(prompts, max_new_tokens=40)
+    timed = loop.timed.yields
+    assert timed and all(decodes in (1, 2, 3) and 0 <= k <= 4 for decodes, k in timed)
+    judged = [decodes for (decodes, k), steps in timed.items() if k and len(steps) >= MIN_SAMPLES]
+    assert judged, "no K was timed often enough to be judged"
+    requests = [fake_request(i, [1, 2, 3], 16) for i in range(judged[0])]
+    target, draft = loop._costs()
+    assert plan_k([0.9] * len(requests), 4, target, draft) > 0  # the pieces' prices: drafting pays
+    assert loop.wanted(requests) == [0] * len(requests)

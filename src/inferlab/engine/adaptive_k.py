@@ -22,6 +22,9 @@ decodes plainly. A draft model with a KV cache of its own first feeds what it ha
 steps, the whole context at a request's first drafting), so a step's first draft step counts those rows. When only
 the estimates hold it back (drafts that were all accepted would pay), every decode probes with one draft after
 BACKOFF plain steps, twice as many after each probe that did not resume drafting (up to MAX_BACKOFF).
+Those prices are pieces; the loop also times its steps whole, from schedule to hand-off, with the tokens each
+brought (StepYields), and once a K has been timed at a step's count of decodes, that timing is its rate. There a
+K > 0 must bring LOOP_MIN_GAIN times plain decoding's rate, or the step decodes plainly.
 
 The choice only ever depends on past rounds, so it keeps speculative sampling exact.
 """
@@ -29,6 +32,7 @@ The choice only ever depends on past rounds, so it keeps speculative sampling ex
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +45,13 @@ MAX_BACKOFF = 256  # the engine loop's plain steps between probes, doubled after
 WINDOW = 32  # the recent steps (and draftings) whose costs adaptive K counts
 MIN_SAMPLES = 4  # timings of a row count before its fastest is a point of the fitted line
 MIN_SPREAD = 3  # rows between the fewest and most rows timed before a row's cost is fitted
+ROUNDS = 8  # the recent whole steps at each (decodes, K) whose yield judges that K (StepYields)
+# In the engine loop a K > 0 must bring this many times plain decoding's tokens per second, as timed whole: under
+# load the streams gain far less than the steps (fp32 SmolLM2 on a 2-core AMX Xeon, c=8: steps 1.12x, streams 1.01x;
+# c=4: steps 1.40x, streams 1.25x). Rounds spread the requests' ends, so more steps run short of sequences and prompts
+# arrive one at a time, and a new prompt waits out a longer step.
+LOOP_MIN_GAIN = 1.2
+MAX_AGE = 1024  # decode steps after which a (decodes, K)'s yields are too old to judge it: it is priced afresh
 
 
 @dataclass
@@ -187,26 +198,83 @@ class StepCost:
         return seconds
 
 
+@dataclass
+class StepYields:
+    """What the engine loop's whole steps of decodes alone brought, by (decodes, K) (K = 0: plain steps), as tokens
+    per second per token the plan expected: a step's rate is its expected tokens times the median of its (decodes,
+    K)'s last ROUNDS yields, once MIN_SAMPLES of them are younger than MAX_AGE steps.
+
+    round_seconds' price adds up pieces, each the fastest timing of its kind (a verification of so many rows, a draft
+    step), and leaves out what is no forward: the schedule, the draft's picks, rejection sampling, handing a
+    round's tokens to the streams. Its tokens assume every round drafts its K and every token is wanted, where a
+    round's drafting stops at a doubtful proposal and a request's last round ends at its max_tokens. Both err
+    towards drafting, more than a plain step's price does: bf16 SmolLM2 at c=8 on a 2-core AMX Xeon, K = 1 priced at
+    26.9 ms took 32.3 from schedule to hand-off, a plain step priced at 14.6 took 15.8, and the loop drafted while its
+    plain steps brought more tokens a second (the served streams 0.95x spec off's). Timed whole, each K is judged by
+    what its steps did; the expected tokens still follow the sequences' acceptance, and MAX_AGE lets a K judged
+    long ago be tried again."""
+
+    yields: dict[tuple[int, int], deque[tuple[int, float]]] = field(default_factory=dict)
+    steps: int = 0  # steps observed
+
+    def observe(self, decodes: int, k: int, expected_tokens: float, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        rounds = self.yields.setdefault((decodes, k), deque(maxlen=ROUNDS))
+        rounds.append((self.steps, tokens / expected_tokens / seconds))
+
+    def rate(self, decodes: int, k: int, expected_tokens: float) -> float | None:
+        """Tokens per second of a step of `decodes` decodes at K = k expecting `expected_tokens`; None until timed."""
+        recent = [y for step, y in self.yields.get((decodes, k), ()) if self.steps - step < MAX_AGE]
+        return expected_tokens * statistics.median(recent) if len(recent) >= MIN_SAMPLES else None
+
+
+def expected_tokens(acceptances: list[float], k: int) -> float:
+    """A step's expected tokens when its decodes (one per acceptance) draft k tokens each: 1 + a + ... + a^k a
+    sequence, at its own acceptance a."""
+    return sum(sum(a**i for i in range(k + 1)) for a in acceptances)
+
+
+def round_seconds(
+    decodes: int, k: int, target: Callable[[int], float], draft: Callable[[int], float], first_rows: int | None = None
+) -> float:
+    """The price of a step whose `decodes` decodes draft k tokens each: its verification of decodes x (k + 1) rows,
+    `target`(rows) seconds, after k draft steps, each `draft`(rows): the first of `first_rows` rows (what the draft
+    has not seen yet; default one a decode), the others of one a decode."""
+    if not k:
+        return target(decodes)
+    first = draft(decodes if first_rows is None else first_rows)
+    return target(decodes * (k + 1)) + first + (k - 1) * draft(decodes)
+
+
 def plan_k(
     acceptances: list[float],
     max_k: int,
     target: Callable[[int], float],
     draft: Callable[[int], float],
     first_rows: int | None = None,
+    timed: StepYields | None = None,
+    min_gain: float = 1.0,
 ) -> int:
-    """The K every decode of an engine-loop step drafts: the k in 0..max_k with the most expected tokens per second,
-    each sequence's round bringing 1 + a + ... + a^k tokens at its own acceptance a, the step taking `target`(B x
-    (k + 1)) seconds for its B decodes after k draft steps, the first of `first_rows` rows (what the draft has not
-    seen yet; default B), the others of B rows, each `draft`(rows) (ties: the shorter round). For one sequence whose
-    steps cost a + b * rows this is best_k."""
+    """The K every decode of an engine-loop step drafts: the k in 0..max_k with the most expected tokens per second
+    (ties: the shorter round), a k > 0 only where it brings at least `min_gain` times plain decoding's. A k's rate is
+    `timed`'s where its steps were timed whole, else its expected tokens over round_seconds, scaled as the timed
+    rates of its kind (plain; drafting) are to their own prices: the price errs more for drafting rounds than for
+    plain steps, so once one K has drafted, the others are judged by its error. For one sequence whose steps cost
+    a + b * rows this is best_k."""
     decodes = len(acceptances)
-    first = draft(decodes if first_rows is None else first_rows)
-    best, best_rate = 0, decodes / target(decodes)
-    runs, tokens = [1.0] * decodes, float(decodes)
-    for k in range(1, max_k + 1):
-        runs = [run * a for run, a in zip(runs, acceptances)]
-        tokens += sum(runs)
-        rate = tokens / (target(decodes * (k + 1)) + first + (k - 1) * draft(decodes))
+    priced = [
+        expected_tokens(acceptances, k) / round_seconds(decodes, k, target, draft, first_rows) for k in range(max_k + 1)
+    ]
+    measured = [
+        timed.rate(decodes, k, expected_tokens(acceptances, k)) if timed is not None else None for k in range(max_k + 1)
+    ]
+    plain_error = [m / p for m, p in zip(measured[:1], priced) if m is not None]
+    drafting_error = [m / p for m, p in zip(measured[1:], priced[1:]) if m is not None] or plain_error
+    best, best_rate = 0, 0.0
+    for k, (rate, price) in enumerate(zip(measured, priced)):
+        if rate is None:
+            errors = drafting_error if k else plain_error
+            rate = price * (statistics.median(errors) if errors else 1.0)
         if rate > best_rate * (1 + 1e-9):
-            best, best_rate = k, rate
+            best, best_rate = k, rate * (1.0 if k else min_gain)
     return best

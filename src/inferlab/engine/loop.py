@@ -75,6 +75,7 @@ class EngineLoop:
         self._stopping = False  # stop(): the loop returns after its current step
         self.threads = StepThreads()  # fewer intra-op threads for steps of a few rows (off until set)
         self.stats = StepStats()  # where the steps' time goes (engine/step_stats.py)
+        self._decode_step: tuple[int, int, float] | None = None  # a step of decodes alone: decodes, tokens, start
 
     # ---- the front door's side: any thread -------------------------------------------------------
     def add(self, request: Request, bounded: bool = True) -> None:
@@ -137,7 +138,11 @@ class EngineLoop:
                             for request in self.scheduler.drain():
                                 deliver(request, GenerationError(f"the engine step failed ({type(error).__name__})"))
                         handoff = time.perf_counter()
-                    self.stats.handoff_s += time.perf_counter() - handoff
+                    done = time.perf_counter()
+                    self.stats.handoff_s += done - handoff
+                    if self.speculation is not None and self._decode_step is not None:
+                        decodes, tokens, began = self._decode_step
+                        self.speculation.step_done(decodes, tokens, done - began)
                 if not progressed:  # waiting for memory another path holds: do not spin
                     with self._wake:
                         self._wake.wait(0.005)
@@ -155,12 +160,15 @@ class EngineLoop:
     def step(self) -> bool:
         """One turn: schedule -> run (one flat forward) -> sample -> stream. Call it holding `lock` (the loop
         does). Returns whether any token was computed."""
+        began = time.perf_counter()
+        self._decode_step = None
         with self.stats.timed("schedule"):
             batch = self.scheduler.schedule()
         work = batch.work
         if work:
             drafts = self.speculation.propose(batch, self.scheduler.running) if self.speculation else {}
             rows = sum(n for _, n in work) + sum(len(d) for d in drafts.values())
+            generated = sum(len(r.output_ids) for r in batch.decodes)
             start = time.perf_counter()
             with self.threads.step(rows):  # the forward and the sampling; a step of a few rows on fewer threads
                 self._run(work, drafts)
@@ -169,6 +177,8 @@ class EngineLoop:
                 self.stats.prompt_step_s += time.perf_counter() - start
             if self.speculation and len(work) == len(batch.decodes):  # decodes alone: what adaptive K weighs
                 self.speculation.step_cost.observe(rows, time.perf_counter() - start)
+                tokens = sum(len(r.output_ids) for r in batch.decodes) - generated
+                self._decode_step = len(batch.decodes), tokens, began
         return bool(work)
 
     def _run(self, work: list[tuple[Request, int]], drafts: dict[Request, list[int]]) -> None:

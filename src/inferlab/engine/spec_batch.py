@@ -1,10 +1,11 @@
 """Speculation inside the engine loop: every decoding sequence drafts up to the step's K, and the step's one flat
 forward verifies them all.
 
-The scheduler asks the decodes' K (`wanted`: engine/adaptive_k.py's plan_k, from the sequences' own acceptance so
-far and from what the loop's target steps and draft steps take by rows, both timed; at most spec.k) and gives
-each room for that many draft tokens past its next one where the budget and free blocks allow
-(engine/scheduler.py); the drafter proposes within that room (engine/draft_pool.py: one draft forward per
+The scheduler asks the decodes' K in a step of decodes alone (`wanted`: engine/adaptive_k.py's plan_k, from the
+sequences' own acceptance so far, from what the loop's target steps and draft steps take by rows, and from what
+its whole steps at each K brought; at most spec.k; 0 in the step after a request ended, when its successor's
+prompt is likely on its way) and gives each room for that many draft tokens past its next one where the budget
+and free blocks allow (engine/scheduler.py); the drafter proposes within that room (engine/draft_pool.py: one draft forward per
 draft step for all the sequences). A drafted sequence's segment of the step is then its last token and its
 drafts, every row's logits wanted: K+1 next-token distributions. A sequence with no drafts this step (K = 0,
 or a drafter with nothing to propose) is a plain decode of the step, exactly as with speculation off. Each
@@ -23,7 +24,17 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from inferlab.engine.adaptive_k import BACKOFF, MAX_BACKOFF, Acceptance, Calibration, StepCost, plan_k
+from inferlab.engine.adaptive_k import (
+    BACKOFF,
+    LOOP_MIN_GAIN,
+    MAX_BACKOFF,
+    Acceptance,
+    Calibration,
+    StepCost,
+    StepYields,
+    expected_tokens,
+    plan_k,
+)
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.draft_pool import LoopDrafts
 from inferlab.engine.drafters import Proposal
@@ -45,6 +56,8 @@ class LoopSpeculation:
     proposals: dict[Request, Proposal] = field(default_factory=dict)  # this step's
     step_cost: StepCost = field(default_factory=StepCost)  # the loop's decode steps, timed (EngineLoop.step)
     draft_cost: StepCost = field(default_factory=StepCost)  # the draft steps, timed by the drafts (propose)
+    timed: StepYields = field(default_factory=StepYields)  # what whole steps at each K brought (step_done)
+    planned: tuple[int, int, float] | None = None  # this step's decodes, K and expected tokens, until step_done
     plain_steps: int = 0  # steps in a row that no decode drafted while drafts that are all accepted would pay
     backoff: int = BACKOFF  # such steps before every decode probes
 
@@ -53,23 +66,44 @@ class LoopSpeculation:
         from their acceptances and the loop's timed steps (adaptive_k.plan_k)."""
         if not self.speculation.adaptive:
             return [self.speculation.k] * len(decodes)
+        if any(r.finished for r in self.acceptances):
+            # a request ended last step, and a closed-loop client sends the next at once: it would wait out a step of
+            # K draft steps before its prompt, so this one decodes plainly (`propose` then forgets the finished)
+            self.planned = None
+            return [0] * len(decodes)
         acceptances = [self._acceptance(r).acceptance for r in decodes]
         target, draft = self._costs()
         first_rows = sum(self.drafts.unseen(r) for r in decodes)
-        if not plan_k([1.0] * len(decodes), self.speculation.k, target, draft, first_rows):
+        k = self._plan(acceptances, target, draft, first_rows)
+        self.planned = len(decodes), k, expected_tokens(acceptances, k)
+        return [k] * len(decodes)
+
+    def _plan(
+        self, acceptances: list[float], target: Callable[[int], float], draft: Callable[[int], float], first_rows: int
+    ) -> int:
+        max_k = self.speculation.k
+        if not plan_k([1.0] * len(acceptances), max_k, target, draft, first_rows, self.timed, LOOP_MIN_GAIN):
             self.plain_steps = 0  # no acceptance would pay for drafting (under load): nothing to probe
-            return [0] * len(decodes)
-        k = plan_k(acceptances, self.speculation.k, target, draft, first_rows)
+            return 0
+        k = plan_k(acceptances, max_k, target, draft, first_rows, self.timed, LOOP_MIN_GAIN)
         if k:
             self.plain_steps, self.backoff = 0, BACKOFF
-            return [k] * len(decodes)
+            return k
         self.plain_steps += 1
         if self.plain_steps < self.backoff:
-            return [0] * len(decodes)
+            return 0
         # the estimates held speculation back for `backoff` steps: every decode probes (and if that does not resume
         # drafting, the next probe waits twice as long)
         self.plain_steps, self.backoff = 0, min(2 * self.backoff, MAX_BACKOFF)
-        return [1] * len(decodes)
+        return 1
+
+    def step_done(self, decodes: int, tokens: int, seconds: float) -> None:
+        """A step of `decodes` decodes alone brought `tokens` in `seconds`, from its schedule to its tokens handed to
+        the streams: what judges its K (StepYields)."""
+        if self.planned is not None and self.planned[0] == decodes:
+            _, k, expected = self.planned
+            self.timed.observe(decodes, k, expected, tokens, seconds)
+        self.planned = None
 
     def _acceptance(self, request: Request) -> Acceptance:
         if request not in self.acceptances:
@@ -118,15 +152,16 @@ class LoopSpeculation:
         drafts = proposal.tokens
         self.blocks.advance(request.kv, request.token_ids, 1)  # the fed token's KV is the sequence's either way
         n, last = verify_proposal(rows, proposal, request.params, request.generator)
-        events = []
+        events, kept = [], 0
         for token in [*drafts[:n], last]:
             events += request.accept(token)
-            if request.finished:
+            kept += 1
+            if request.finished:  # EOS, a stop string or max_tokens inside the round: the rest is not generated
                 break
         self._observe(request, len(drafts), n)
         if not request.finished:
             self.blocks.advance(request.kv, request.token_ids, n)
             self.blocks.trim(request.kv, request.num_tokens)
             self.drafts.rollback(request, request.kv.num_computed)
-        self.speculation.totals.add(SpecStats(1, 0, len(drafts), n, n + 1))
+        self.speculation.totals.add(SpecStats(1, 0, len(drafts), n, kept))
         return events
