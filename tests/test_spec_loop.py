@@ -258,7 +258,8 @@ def test_the_load_time_timing_gives_way_to_the_loops_own(tiny_tokenizer):
 
 def test_no_sequence_drafts_while_the_timed_rows_cost_more_than_any_acceptance_brings(tiny_tokenizer):
     """Under load a step's drafts (their draft steps and verified rows, timed in the loop) may cost more than even
-    drafts that are all accepted bring: no sequence drafts, not even a probe, until the load lightens."""
+    drafts that are all accepted bring: once drafting steps were timed whole there, no sequence drafts, not even a
+    probe, until the load lightens. Priced so but never timed whole, the decodes still probe: prices err."""
     engine = loop_engine(tiny_tokenizer, None, kv_blocks=64)
     engine.speculation = Speculation(drafter("self", engine.model), 4, adaptive=True)
     loop = engine.loop.speculation
@@ -268,6 +269,9 @@ def test_no_sequence_drafts_while_the_timed_rows_cost_more_than_any_acceptance_b
             loop.draft_cost.observe(rows, 0.002 + 0.001 * rows)
     requests = [fake_request(i, [1, 2, 3], 16) for i in range(8)]
     # 8 decodes: 8 tokens in 24 ms; drafting one each and all accepted, 16 tokens in 40 + 10 ms
+    assert [loop.wanted(requests) for _ in range(BACKOFF)][-1] == [1] * 8  # a probe: only prices say no
+    for _ in range(MIN_SAMPLES):
+        loop.timed.observe(8, 1, 16.0, 16, 0.050)
     assert all(loop.wanted(requests) == [0] * 8 for _ in range(3 * BACKOFF))
     assert loop.wanted(requests[:1])[0] > 0  # alone: 1 token in 10 ms, or up to 5 in 18 + 4 x 3 ms
 

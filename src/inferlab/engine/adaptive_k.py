@@ -23,8 +23,11 @@ steps, the whole context at a request's first drafting), so a step's first draft
 the estimates hold it back (drafts that were all accepted would pay), every decode probes with one draft after
 BACKOFF plain steps, twice as many after each probe that did not resume drafting (up to MAX_BACKOFF).
 Those prices are pieces; the loop also times its steps whole, from schedule to hand-off, with the tokens each
-brought (StepYields), and once a K has been timed at a step's count of decodes, that timing is its rate. There a
-K > 0 must bring LOOP_MIN_GAIN times plain decoding's rate, or the step decodes plainly.
+brought (StepYields), and once a K has been timed at a step's count of decodes, that timing is its rate. Once some
+K > 0 was timed there, a K > 0 must bring LOOP_MIN_GAIN times plain decoding's rate, or the step decodes plainly;
+before, the prices decide (they err both ways: at c=4 they said drafting barely paid, and it brought 1.3x). Where
+drafting was timed and no acceptance would pay, nothing probes; where only prices say so, the probes go on, and
+their draft steps correct the prices.
 
 The choice only ever depends on past rounds, so it keeps speculative sampling exact.
 """
@@ -51,7 +54,8 @@ ROUNDS = 8  # the recent whole steps at each (decodes, K) whose yield judges tha
 # c=4: steps 1.40x, streams 1.25x). Rounds spread the requests' ends, so more steps run short of sequences and prompts
 # arrive one at a time, and a new prompt waits out a longer step.
 LOOP_MIN_GAIN = 1.2
-MAX_AGE = 1024  # decode steps after which a (decodes, K)'s yields are too old to judge it: it is priced afresh
+MAX_AGE = 256  # decode steps after which a (decodes, K)'s yields are too old to judge it: it is priced afresh (a
+# K timed in a slow moment, or at a request's cold start, is tried again, not shunned for good)
 
 
 @dataclass
@@ -224,8 +228,15 @@ class StepYields:
 
     def rate(self, decodes: int, k: int, expected_tokens: float) -> float | None:
         """Tokens per second of a step of `decodes` decodes at K = k expecting `expected_tokens`; None until timed."""
-        recent = [y for step, y in self.yields.get((decodes, k), ()) if self.steps - step < MAX_AGE]
+        recent = self._recent(decodes, k)
         return expected_tokens * statistics.median(recent) if len(recent) >= MIN_SAMPLES else None
+
+    def drafting_timed(self, decodes: int, max_k: int) -> bool:
+        """Whether some K > 0 has a rate at `decodes` decodes."""
+        return any(len(self._recent(decodes, k)) >= MIN_SAMPLES for k in range(1, max_k + 1))
+
+    def _recent(self, decodes: int, k: int) -> list[float]:
+        return [y for step, y in self.yields.get((decodes, k), ()) if self.steps - step < MAX_AGE]
 
 
 def expected_tokens(acceptances: list[float], k: int) -> float:
@@ -256,11 +267,12 @@ def plan_k(
     min_gain: float = 1.0,
 ) -> int:
     """The K every decode of an engine-loop step drafts: the k in 0..max_k with the most expected tokens per second
-    (ties: the shorter round), a k > 0 only where it brings at least `min_gain` times plain decoding's. A k's rate is
+    (ties: the shorter round), a k > 0 only where it brings at least `min_gain` times plain decoding's once some
+    k > 0 was timed whole (before, where it is priced to pay at all). A k's rate is
     `timed`'s where its steps were timed whole, else its expected tokens over round_seconds, scaled as the timed
-    rates of its kind (plain; drafting) are to their own prices: the price errs more for drafting rounds than for
-    plain steps, so once one K has drafted, the others are judged by its error. For one sequence whose steps cost
-    a + b * rows this is best_k."""
+    rates of its kind (plain; drafting; the other kind's while its own has none) are to their own prices: the price
+    errs more for drafting rounds than for plain steps, so once one K has drafted, the others are judged by its
+    error. For one sequence whose steps cost a + b * rows this is best_k."""
     decodes = len(acceptances)
     priced = [
         expected_tokens(acceptances, k) / round_seconds(decodes, k, target, draft, first_rows) for k in range(max_k + 1)
@@ -269,12 +281,16 @@ def plan_k(
         timed.rate(decodes, k, expected_tokens(acceptances, k)) if timed is not None else None for k in range(max_k + 1)
     ]
     plain_error = [m / p for m, p in zip(measured[:1], priced) if m is not None]
-    drafting_error = [m / p for m, p in zip(measured[1:], priced[1:]) if m is not None] or plain_error
-    best, best_rate = 0, 0.0
-    for k, (rate, price) in enumerate(zip(measured, priced)):
-        if rate is None:
-            errors = drafting_error if k else plain_error
-            rate = price * (statistics.median(errors) if errors else 1.0)
-        if rate > best_rate * (1 + 1e-9):
-            best, best_rate = k, rate * (1.0 if k else min_gain)
+    drafting_error = [m / p for m, p in zip(measured[1:], priced[1:]) if m is not None]
+    plain_error, drafting_error = plain_error or drafting_error, drafting_error or plain_error
+    rates = [
+        rate if rate is not None else price * statistics.median((drafting_error if k else plain_error) or [1.0])
+        for k, (rate, price) in enumerate(zip(measured, priced))
+    ]
+    # until some K > 0 was timed whole, one is tried wherever its price says it pays: the price errs both ways
+    floor = rates[0] * (min_gain if any(rate is not None for rate in measured[1:]) else 1.0)
+    best = 0
+    for k in range(1, max_k + 1):
+        if rates[k] > max(rates[best], floor) * (1 + 1e-9):
+            best = k
     return best

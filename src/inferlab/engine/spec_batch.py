@@ -82,8 +82,9 @@ class LoopSpeculation:
         self, acceptances: list[float], target: Callable[[int], float], draft: Callable[[int], float], first_rows: int
     ) -> int:
         max_k = self.speculation.k
-        if not plan_k([1.0] * len(acceptances), max_k, target, draft, first_rows, self.timed, LOOP_MIN_GAIN):
-            self.plain_steps = 0  # no acceptance would pay for drafting (under load): nothing to probe
+        perfect = plan_k([1.0] * len(acceptances), max_k, target, draft, first_rows, self.timed, LOOP_MIN_GAIN)
+        if not perfect and self.timed.drafting_timed(len(acceptances), max_k):
+            self.plain_steps = 0  # drafting was timed here, and no acceptance would pay for it (under load): no probe
             return 0
         k = plan_k(acceptances, max_k, target, draft, first_rows, self.timed, LOOP_MIN_GAIN)
         if k:
