@@ -236,7 +236,8 @@ def test_a_calibrated_draft_token_costs_its_draft_step_and_its_verified_row():
 
 def test_step_yields_judge_a_k_by_its_recent_whole_steps():
     """A (decodes, K)'s rate is its expected tokens times the median yield (tokens per second per expected token) of
-    its last ROUNDS steps, once MIN_SAMPLES were timed; yields older than MAX_AGE steps no longer count."""
+    its last ROUNDS steps, once MIN_SAMPLES were timed; yields older than MAX_AGE steps of as many decodes no longer
+    count."""
     timed = StepYields()
     for _ in range(MIN_SAMPLES - 1):
         timed.observe(8, 2, expected_tokens=24.0, tokens=20, seconds=0.05)
@@ -250,7 +251,10 @@ def test_step_yields_judge_a_k_by_its_recent_whole_steps():
     assert timed.rate(8, 0, 8.0) == pytest.approx(500.0)
     for _ in range(MAX_AGE):
         timed.observe(1, 0, expected_tokens=1.0, tokens=1, seconds=0.01)
-    assert timed.rate(8, 2, 24.0) is None and timed.rate(8, 0, 8.0) is None  # priced afresh
+    assert timed.rate(8, 2, 24.0) is not None  # steps of another count of decodes age nothing
+    for _ in range(MAX_AGE - MIN_SAMPLES + 1):
+        timed.observe(8, 0, expected_tokens=8.0, tokens=8, seconds=0.016)
+    assert timed.rate(8, 2, 24.0) is None and timed.rate(8, 0, 8.0) is not None  # K = 2 priced afresh
 
 
 def test_plan_k_goes_by_what_whole_steps_brought_where_they_were_timed():

@@ -54,7 +54,7 @@ ROUNDS = 8  # the recent whole steps at each (decodes, K) whose yield judges tha
 # c=4: steps 1.40x, streams 1.25x). Rounds spread the requests' ends, so more steps run short of sequences and prompts
 # arrive one at a time, and a new prompt waits out a longer step.
 LOOP_MIN_GAIN = 1.2
-MAX_AGE = 256  # decode steps after which a (decodes, K)'s yields are too old to judge it: it is priced afresh (a
+MAX_AGE = 256  # steps of as many decodes after which a (decodes, K)'s yields are too old to judge it: priced afresh (a
 # K timed in a slow moment, or at a request's cold start, is tried again, not shunned for good)
 
 
@@ -206,7 +206,9 @@ class StepCost:
 class StepYields:
     """What the engine loop's whole steps of decodes alone brought, by (decodes, K) (K = 0: plain steps), as tokens
     per second per token the plan expected: a step's rate is its expected tokens times the median of its (decodes,
-    K)'s last ROUNDS yields, once MIN_SAMPLES of them are younger than MAX_AGE steps.
+    K)'s last ROUNDS yields, once MIN_SAMPLES of them are younger than MAX_AGE steps of as many decodes (a load at
+    another concurrency in between ages nothing: the serving study's c=8 loads, ~140 steps each between c=1 and c=4
+    ones, re-explored their K's at every load when any step counted, and lost 0.94x spec off's streams).
 
     round_seconds' price adds up pieces, each the fastest timing of its kind (a verification of so many rows, a draft
     step), and leaves out what is no forward: the schedule, the draft's picks, rejection sampling, handing a
@@ -219,12 +221,12 @@ class StepYields:
     long ago be tried again."""
 
     yields: dict[tuple[int, int], deque[tuple[int, float]]] = field(default_factory=dict)
-    steps: int = 0  # steps observed
+    steps: Counter[int] = field(default_factory=Counter)  # steps observed, by their decodes
 
     def observe(self, decodes: int, k: int, expected_tokens: float, tokens: int, seconds: float) -> None:
-        self.steps += 1
+        self.steps[decodes] += 1
         rounds = self.yields.setdefault((decodes, k), deque(maxlen=ROUNDS))
-        rounds.append((self.steps, tokens / expected_tokens / seconds))
+        rounds.append((self.steps[decodes], tokens / expected_tokens / seconds))
 
     def rate(self, decodes: int, k: int, expected_tokens: float) -> float | None:
         """Tokens per second of a step of `decodes` decodes at K = k expecting `expected_tokens`; None until timed."""
@@ -236,7 +238,7 @@ class StepYields:
         return any(len(self._recent(decodes, k)) >= MIN_SAMPLES for k in range(1, max_k + 1))
 
     def _recent(self, decodes: int, k: int) -> list[float]:
-        return [y for step, y in self.yields.get((decodes, k), ()) if self.steps - step < MAX_AGE]
+        return [y for step, y in self.yields.get((decodes, k), ()) if self.steps[decodes] - step < MAX_AGE]
 
 
 def expected_tokens(acceptances: list[float], k: int) -> float:
