@@ -6,8 +6,8 @@ sequences' own acceptance so far, from what the loop's target steps and draft st
 its whole steps at each K brought; at most spec.k; 0 in the step after a request ended, when its successor's
 prompt is likely on its way) and gives each room for that many draft tokens past its next one where the budget
 and free blocks allow (engine/scheduler.py); the drafter proposes within that room (engine/draft_pool.py: one
-draft forward per draft step for all the sequences). A drafted sequence's segment of the step is then its last token and its
-drafts, every row's logits wanted: K+1 next-token distributions. A sequence with no drafts this step (K = 0,
+draft forward per draft step for all the sequences). A drafted sequence's segment of the step is then its last
+token and its drafts, every row's logits wanted: K+1 next-token distributions. A sequence with no drafts this step (K = 0,
 or a drafter with nothing to propose) is a plain decode of the step, exactly as with speculation off. Each
 drafted sequence is rejection-sampled on its own with the acceptance rule of engine/speculative.py (at
 temperature 0: the drafts kept while they equal the target's argmax), so its tokens are distributed exactly as
