@@ -268,7 +268,7 @@ def test_plan_k_goes_by_what_whole_steps_brought_where_they_were_timed():
     timed = StepYields()
     for _ in range(MIN_SAMPLES):
         timed.observe(8, 0, 8.0, 8, 0.0158)
-        timed.observe(8, 1, expected_tokens(acceptances, 1), 16, 0.0323)
+        timed.observe(8, 1, expected_tokens(acceptances, 1)[1], 16, 0.0323)
     assert plan_k(acceptances, 1, target, draft, timed=timed) == 0
     assert plan_k(acceptances, 3, target, draft, timed=timed) == 0  # K = 2, 3 priced with K = 1's error: no better
     assert plan_k(acceptances[:1], 3, target, draft, timed=timed) == 3  # one sequence: nothing timed, drafting pays
@@ -279,8 +279,8 @@ def test_in_the_loop_a_k_must_bring_min_gain_over_plain_decoding():
     acceptances = [0.9] * 8
     for _ in range(MIN_SAMPLES):
         timed.observe(8, 0, 8.0, 8, 0.016)  # 500 tokens/s
-        timed.observe(8, 1, expected_tokens(acceptances, 1), 15, 0.03)  # 500 tokens/s
-        timed.observe(8, 2, expected_tokens(acceptances, 2), 21, 0.039)  # 538 tokens/s: 1.08x
+        timed.observe(8, 1, expected_tokens(acceptances, 1)[1], 15, 0.03)  # 500 tokens/s
+        timed.observe(8, 2, expected_tokens(acceptances, 2)[2], 21, 0.039)  # 538 tokens/s: 1.08x
     line = lambda rows: 0.016  # noqa: E731
     assert plan_k(acceptances, 2, line, line, timed=timed) == 2
     assert plan_k(acceptances, 2, line, line, timed=timed, min_gain=1.1) == 0

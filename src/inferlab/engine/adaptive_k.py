@@ -241,10 +241,14 @@ class StepYields:
         return [y for step, y in self.yields.get((decodes, k), ()) if self.steps[decodes] - step < MAX_AGE]
 
 
-def expected_tokens(acceptances: list[float], k: int) -> float:
-    """A step's expected tokens when its decodes (one per acceptance) draft k tokens each: 1 + a + ... + a^k a
-    sequence, at its own acceptance a."""
-    return sum(sum(a**i for i in range(k + 1)) for a in acceptances)
+def expected_tokens(acceptances: list[float], max_k: int) -> list[float]:
+    """A step's expected tokens when its decodes (one per acceptance) draft k tokens each, for k = 0..max_k:
+    1 + a + ... + a^k a sequence, at its own acceptance a."""
+    totals, runs = [float(len(acceptances))], [1.0] * len(acceptances)
+    for _ in range(max_k):
+        runs = [run * a for run, a in zip(runs, acceptances)]
+        totals.append(totals[-1] + sum(runs))
+    return totals
 
 
 def round_seconds(
@@ -276,12 +280,9 @@ def plan_k(
     errs more for drafting rounds than for plain steps, so once one K has drafted, the others are judged by its
     error. For one sequence whose steps cost a + b * rows this is best_k."""
     decodes = len(acceptances)
-    priced = [
-        expected_tokens(acceptances, k) / round_seconds(decodes, k, target, draft, first_rows) for k in range(max_k + 1)
-    ]
-    measured = [
-        timed.rate(decodes, k, expected_tokens(acceptances, k)) if timed is not None else None for k in range(max_k + 1)
-    ]
+    tokens = expected_tokens(acceptances, max_k)
+    priced = [tokens[k] / round_seconds(decodes, k, target, draft, first_rows) for k in range(max_k + 1)]
+    measured = [timed.rate(decodes, k, tokens[k]) if timed is not None else None for k in range(max_k + 1)]
     plain_error = [m / p for m, p in zip(measured[:1], priced) if m is not None]
     drafting_error = [m / p for m, p in zip(measured[1:], priced[1:]) if m is not None]
     plain_error, drafting_error = plain_error or drafting_error, drafting_error or plain_error

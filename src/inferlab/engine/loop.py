@@ -168,7 +168,7 @@ class EngineLoop:
         if work:
             drafts = self.speculation.propose(batch, self.scheduler.running) if self.speculation else {}
             rows = sum(n for _, n in work) + sum(len(d) for d in drafts.values())
-            generated = sum(len(r.output_ids) for r in batch.decodes)
+            generated = sum(len(r.output_ids) for r in batch.decodes) if self.speculation else 0
             start = time.perf_counter()
             with self.threads.step(rows):  # the forward and the sampling; a step of a few rows on fewer threads
                 self._run(work, drafts)

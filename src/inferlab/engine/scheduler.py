@@ -140,9 +140,9 @@ class Scheduler:
                 batch.decodes.append(request)
         return preempted
 
-    def _reserve_lookahead(self, batch: ScheduledBatch, wanted: list[int], budget: int) -> int:
+    def _reserve_lookahead(self, batch: ScheduledBatch, wanted: list[int], budget: int) -> None:
         """Room for each decode's drafts, up to its `wanted`, what it may still generate, the budget and the free
-        blocks; returns the tokens reserved."""
+        blocks."""
         used = 0
         for request, k in zip(batch.decodes, wanted):
             want = min(k, request.max_new_tokens - len(request.output_ids) - 1, budget - used)
@@ -151,7 +151,6 @@ class Scheduler:
                 want = min(want, len(request.kv.blocks) * self.blocks.block_size - request.num_tokens)
             batch.lookahead.append(max(want, 0))
             used += batch.lookahead[-1]
-        return used
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

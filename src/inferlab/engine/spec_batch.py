@@ -79,7 +79,7 @@ class LoopSpeculation:
         # timed only after a step of as many decodes alone: one after prompts or an end hands new streams their
         # first tokens beside a busy client (bf16 c=8: plain steps of 7 decodes there 18.7-19.4 ms, of 8 15.7)
         steady, self.last_decodes = self.last_decodes == len(decodes), len(decodes)
-        self.planned = (len(decodes), k, expected_tokens(acceptances, k)) if steady else None
+        self.planned = (len(decodes), k, expected_tokens(acceptances, k)[k]) if steady else None
         return [k] * len(decodes)
 
     def _plan(
