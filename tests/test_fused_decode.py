@@ -278,22 +278,31 @@ def test_the_bf16_step_stays_within_bf16_storage_of_fp32(isa, tiny_tokenizer):
 
 
 def test_int8_activation_codes_stay_close_to_the_int16_ones(isa):
-    """A draft's plan (int8_activations: int4 projections take int8 codes per 32 columns) against the served int4
+    """A draft's plan (int8_from_rows=1: int4 projections take int8 codes per 32 columns) against the served int4
     model's plan (int16 codes per row) on the same weights, teacher-forced over a prompt and 20 one-token steps:
     the logits stay close (measured on random weights: worst cosine 0.995) and each one-token step equals that row of one
-    prompt-sized call (the codes are per row)."""
+    prompt-sized call (the codes are per row). A plan with int8 codes from 4 rows on gives a call of 3 rows the int16
+    plan's logits and a call of 4 the int8 plan's."""
     from inferlab.quant import quantize_model
 
     model = tiny_model(3, dim=128, hidden_dim=256)
     quantize_model(model, "int4", 32)
     runners = {
-        flag: ModelRunner(model, 64, FusedDecode.build(model, CPU, torch.float32, "fast", int8_activations=flag))
-        for flag in (False, True)
+        from_rows: ModelRunner(
+            model, 64, FusedDecode.build(model, CPU, torch.float32, "fast", int8_from_rows=from_rows)
+        )
+        for from_rows in (0, 1, 4)
     }
     tokens = torch.randint(0, model.config.vocab_size, (32,)).tolist()
-    whole = {flag: runner.forward(tokens) for flag, runner in runners.items()}
-    assert (F.cosine_similarity(whole[True], whole[False], dim=-1) >= 0.99).all()
-    stepped = ModelRunner(model, 64, runners[True].fused)
+    whole = {from_rows: runner.forward(tokens) for from_rows, runner in runners.items()}
+    assert (F.cosine_similarity(whole[1], whole[0], dim=-1) >= 0.99).all()
+    assert not torch.equal(whole[1], whole[0])
+    stepped = ModelRunner(model, 64, runners[1].fused)
     stepped.forward(tokens[:12])
     rows = torch.cat([stepped.forward([token]) for token in tokens[12:]])
-    torch.testing.assert_close(rows, whole[True][12:], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(rows, whole[1][12:], atol=1e-5, rtol=1e-4)
+    by_rows = runners[4]
+    for rows_in_call, codes_of in ((3, 0), (4, 1)):  # each call from the start: no KV of the other codes' rows
+        by_rows.length = 0
+        got = by_rows.forward(tokens[:rows_in_call])
+        torch.testing.assert_close(got, whole[codes_of][:rows_in_call], atol=1e-5, rtol=1e-4)

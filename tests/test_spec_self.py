@@ -113,15 +113,15 @@ def test_refused_where_the_draft_reads_no_fewer_bytes(target_quant, draft_precis
 @pytest.mark.parametrize("quant,draft_precision", [(None, "int4"), (None, "int8"), ("int8", "int4")])
 def test_engine_greedy_equals_spec_off(tiny_tokenizer, kernels, quant, draft_precision):
     """Lossless at T=0 against the same target without speculation, the draft decoding through its own
-    fused step (fast; its int4 projections on int16 or int8 activation codes) or the Python model (portable)."""
+    fused step (fast; its int4 projections on int16 or int8 activation codes, draft_int8_from_rows) or the Python model (portable)."""
     if kernels == "fast" and not cpu_gemv_available():
         pytest.skip("no AVX2 CPU or no C++ toolchain here")
     dtype = torch.bfloat16 if quant else torch.float32
     common = dict(max_new_tokens=24, kernels=kernels, quant=quant, dtype=dtype)
     plain = tiny_engine(tiny_tokenizer, **common)
-    for adaptive, activations in ((True, "int16"), (False, "int16"), (True, "int8")):
+    for adaptive, int8_from_rows in ((True, 0), (False, 0), (True, 1)):
         config = spec_config(
-            "self", draft_precision=draft_precision, adaptive=adaptive, k=4, draft_activations=activations
+            "self", draft_precision=draft_precision, adaptive=adaptive, k=4, draft_int8_from_rows=int8_from_rows
         )
         spec = tiny_engine(tiny_tokenizer, **common, spec=config)
         assert (spec.speculation.drafter.fused is not None) == (kernels == "fast")
@@ -141,7 +141,7 @@ def test_draft_cache_after_rollbacks_equals_a_fresh_prefill(tiny_tokenizer):
     from inferlab.engine.drafters import ModelRunner
     from inferlab.engine.sampling import SamplingParams
 
-    config = spec_config("self", min_confidence=0.0, k=4, draft_activations="int8")
+    config = spec_config("self", min_confidence=0.0, k=4, draft_int8_from_rows=1)
     engine = tiny_engine(tiny_tokenizer, kernels="fast", spec=config)
     prompt = engine.tokenizer.encode(PROMPTS[1])
     params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=4)

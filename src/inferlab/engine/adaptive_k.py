@@ -24,8 +24,9 @@ the estimates hold it back (drafts that were all accepted would pay), every deco
 BACKOFF plain steps, twice as many after each probe that did not resume drafting (up to MAX_BACKOFF).
 Those prices are pieces; the loop also times its steps whole, from schedule to hand-off, with the tokens each
 brought (StepYields), and once a K has been timed at a step's count of decodes, that timing is its rate. Once some
-K > 0 was timed there, a K > 0 must bring LOOP_MIN_GAIN times plain decoding's rate, or the step decodes plainly;
-before, the prices decide (they err both ways: at c=4 they said drafting barely paid, and it brought 1.3x). Where
+K > 0 was timed there, a K > 0 must bring LOOP_MIN_GAIN times plain decoding's rate, or the step decodes plainly
+(and of the K's that do, the shortest round within LOOP_SHORTER_WITHIN of the best's rate is taken); before, the
+prices decide (they err both ways: at c=4 they said drafting barely paid, and it brought 1.3x). Where
 drafting was timed and no acceptance would pay, nothing probes; where only prices say so, the probes go on, and
 their draft steps correct the prices.
 
@@ -49,11 +50,14 @@ WINDOW = 32  # the recent steps (and draftings) whose costs adaptive K counts
 MIN_SAMPLES = 4  # timings of a row count before its fastest is a point of the fitted line
 MIN_SPREAD = 3  # rows between the fewest and most rows timed before a row's cost is fitted
 ROUNDS = 8  # the recent whole steps at each (decodes, K) whose yield judges that K (StepYields)
-# In the engine loop a K > 0 must bring this many times plain decoding's tokens per second, as timed whole: under
-# load the streams gain far less than the steps (fp32 SmolLM2 on a 2-core AMX Xeon, c=8: steps 1.12x, streams 1.01x;
-# c=4: steps 1.40x, streams 1.25x). Rounds spread the requests' ends, so more steps run short of sequences and prompts
-# arrive one at a time, and a new prompt waits out a longer step.
-LOOP_MIN_GAIN = 1.2
+# In the engine loop a K > 0 must bring this many times plain decoding's tokens per second, as timed whole, and of
+# the K's that do, the shortest round within LOOP_SHORTER_WITHIN of the best's rate is taken: under load the streams
+# gain less than the steps, the more so the longer a round (a prompt arriving waits it out; rounds spread the
+# requests' ends, so more steps run short of sequences). bf16 SmolLM2 on a 2-core AMX Xeon, c=8, spec=self over spec
+# off (4 paired loads each): K=1-2 steps timed 1.08-1.15x plain's, K=6 1.1x; with the bar at 1.2 (plain) 0.96-1.03,
+# at 1.05 alone (K=2 and K=6 rounds) 0.98-1.04, at 1.05 with the shortest within 10% 1.04-1.08, at 1.1 0.94-1.04
+LOOP_MIN_GAIN = 1.05
+LOOP_SHORTER_WITHIN = 0.1
 MAX_AGE = 256  # steps of as many decodes after which a (decodes, K)'s yields are too old to judge it: priced afresh (a
 # K timed in a slow moment, or at a request's cold start, is tried again, not shunned for good)
 
@@ -271,6 +275,7 @@ def plan_k(
     first_rows: int | None = None,
     timed: StepYields | None = None,
     min_gain: float = 1.0,
+    shorter_within: float = 0.0,
 ) -> int:
     """The K every decode of an engine-loop step drafts: the k in 0..max_k with the most expected tokens per second
     (ties: the shorter round), a k > 0 only where it brings at least `min_gain` times plain decoding's once some
@@ -278,7 +283,8 @@ def plan_k(
     `timed`'s where its steps were timed whole, else its expected tokens over round_seconds, scaled as the timed
     rates of its kind (plain; drafting; the other kind's while its own has none) are to their own prices: the price
     errs more for drafting rounds than for plain steps, so once one K has drafted, the others are judged by its
-    error. For one sequence whose steps cost a + b * rows this is best_k."""
+    error. Where several sequences decode, the smallest k > 0 whose rate is within `shorter_within` of the best k's
+    is taken instead. For one sequence whose steps cost a + b * rows this is best_k."""
     decodes = len(acceptances)
     tokens = expected_tokens(acceptances, max_k)
     priced = [tokens[k] / round_seconds(decodes, k, target, draft, first_rows) for k in range(max_k + 1)]
@@ -296,4 +302,6 @@ def plan_k(
     for k in range(1, max_k + 1):
         if rates[k] > max(rates[best], floor) * (1 + 1e-9):
             best = k
+    if decodes > 1 and best:  # the shortest round nearly as good: a longer one holds back the prompts arriving in it
+        best = min(k for k in range(1, best + 1) if rates[k] * (1 + shorter_within) >= rates[best])
     return best

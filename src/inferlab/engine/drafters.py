@@ -175,7 +175,7 @@ class ModelDrafter(Drafter):
     # the target's own weights (spec=self): in the engine loop it drafts over the target's KV (engine/draft_pool.py)
     target_kv: bool = False
     calibration: Calibration | None = None  # measure_cost's, which step_cost and the engine loop's prior are
-    int8_activations: bool = False  # its fused step's int4 projections take int8 activation codes (FusedDecode.build)
+    int8_from_rows: int = 0  # its fused steps of this many rows or more take int8 activation codes (FusedDecode.build)
 
     def start(self, capacity: int) -> DraftState:
         return ModelDraftState(ModelRunner(self.model, capacity, self.fused), self.min_confidence)
@@ -184,7 +184,7 @@ class ModelDrafter(Drafter):
         return [self.model]
 
     def build_fused(self, device: torch.device, dtype: torch.dtype, kernels: str) -> None:
-        self.fused = FusedDecode.build(self.model, device, dtype, kernels, self.int8_activations)
+        self.fused = FusedDecode.build(self.model, device, dtype, kernels, self.int8_from_rows)
 
     def step_cost(self, target: Transformer) -> float:
         """As measured (a draft token: its draft step and its verified row), else what decoding reads every step:
@@ -317,7 +317,7 @@ def build_drafter(
             "self",
             float(spec["min_confidence"]),
             target_kv=True,
-            int8_activations=spec["draft_activations"] == "int8",
+            int8_from_rows=int(spec["draft_int8_from_rows"]),
         )
     raise ModelLoadError(f"unknown spec {name!r}: use spec=none (or off), spec=ngram, spec=draft or spec=self")
 

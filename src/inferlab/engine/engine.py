@@ -101,7 +101,9 @@ class InferenceEngine:
         decode_kernel = decode_attention_applies(config.device, config.dtype, loaded.config.head_dim, config.kernels)
         # a cached forward of up to FusedDecode.covers rows runs as one C++ call (None: the Python model)
         self.fused = (
-            FusedDecode.build(self.model, config.device, config.dtype, config.kernels, config.int8_activations)
+            FusedDecode.build(
+                self.model, config.device, config.dtype, config.kernels, 1 if config.int8_activations else 0
+            )
             if config.cache_mode != "none"
             else None
         )

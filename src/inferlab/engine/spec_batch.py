@@ -27,6 +27,7 @@ from torch import Tensor
 from inferlab.engine.adaptive_k import (
     BACKOFF,
     LOOP_MIN_GAIN,
+    LOOP_SHORTER_WITHIN,
     MAX_BACKOFF,
     Acceptance,
     Calibration,
@@ -90,7 +91,7 @@ class LoopSpeculation:
         if not perfect and self.timed.drafting_timed(len(acceptances), max_k):
             self.plain_steps = 0  # drafting was timed here, and no acceptance would pay for it (under load): no probe
             return 0
-        k = plan_k(acceptances, max_k, target, draft, first_rows, self.timed, LOOP_MIN_GAIN)
+        k = plan_k(acceptances, max_k, target, draft, first_rows, self.timed, LOOP_MIN_GAIN, LOOP_SHORTER_WITHIN)
         if k:
             self.plain_steps, self.backoff = 0, BACKOFF
             return k

@@ -88,11 +88,12 @@ class FusedDecode:
 
     @classmethod
     def build(
-        cls, model: Transformer, device: torch.device, dtype: torch.dtype, kernels: str, int8_activations: bool = False
+        cls, model: Transformer, device: torch.device, dtype: torch.dtype, kernels: str, int8_from_rows: int = 0
     ) -> FusedDecode | None:
-        """The plan of `model`'s step, or None where it does not run fused. `int8_activations`: int4 projections take
-        int8 activation codes per block of 32 columns, not int16 ones per row (csrc/gemv.h's Int4Format: half the
-        multiply-adds, ten times the logit error; for a speculative draft, whose errors cost only acceptance)."""
+        """The plan of `model`'s step, or None where it does not run fused. `int8_from_rows`: int4 projections of this
+        many rows or more (0: none) take int8 activation codes per block of 32 columns, not int16 ones per row
+        (csrc/gemv.h's Int4Format: half the multiply-adds, ten times the logit error; for a speculative draft, whose
+        errors cost only acceptance, or precision.activations=int8)."""
         config = model.config
         if (
             not config.llama_layer  # the plan runs exactly the Llama layer: other families keep the Python model
@@ -124,7 +125,7 @@ class FusedDecode:
             rope_sin,
             model.norm.weight.detach(),
             output,
-            int8_activations,
+            int8_from_rows,
             dense_from_rows(model),
         )
         for block, (wqkv, wo, w13, w2) in zip(model.layers, layers):

@@ -26,10 +26,10 @@ using inferlab::Projection;
 
 // A projection as Python hands it over: [weight, scales, mins, bias, dense copy], absent parts as empty tensors (int4
 // tiles: read where they are, the layer's own); the copy serves products of dense_from_rows rows and more
-Projection projection_from(const std::vector<at::Tensor>& parts, bool int8_activations, int64_t dense_from_rows) {
+Projection projection_from(const std::vector<at::Tensor>& parts, int64_t int8_from_rows, int64_t dense_from_rows) {
   TORCH_CHECK(parts.size() == 5, "DecodePlan: a projection is [weight, scales, mins, bias, dense copy]");
   auto given = [](const at::Tensor& t) { return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt; };
-  return Projection(parts[0], given(parts[1]), given(parts[2]), given(parts[3]), int8_activations, given(parts[4]),
+  return Projection(parts[0], given(parts[1]), given(parts[2]), given(parts[3]), int8_from_rows, given(parts[4]),
                     dense_from_rows);
 }
 
@@ -56,15 +56,16 @@ inline void add_to(float* h, const float* y, int64_t n) {
 class DecodePlan : public torch::CustomClassHolder {
  public:
   // rope_cos, rope_sin: (max_seq_len, head_dim); norm: the final RMSNorm's weight; output: the LM head;
-  // int8_activations: every int4 projection takes int8 activation codes per block (Projection's; a draft's);
+  // int8_from_rows: int4 projections of this many rows or more take int8 activation codes per block (Projection's;
+  // 0: none);
   // dense_from_rows: projections holding a dense copy multiply it from this many rows on (Projection's)
   DecodePlan(int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double norm_eps, at::Tensor rope_cos,
-             at::Tensor rope_sin, at::Tensor norm, std::vector<at::Tensor> output, bool int8_activations,
+             at::Tensor rope_sin, at::Tensor norm, std::vector<at::Tensor> output, int64_t int8_from_rows,
              int64_t dense_from_rows)
       : H_(n_heads), H_kv_(n_kv_heads), D_(head_dim), eps_(norm_eps), cos_(rope_cos, false), sin_(rope_sin, false),
         rope_rows_(rope_cos.size(0)), norm_(norm, false),
-        output_(projection_from(output, int8_activations, dense_from_rows)), dim_(norm.numel()),
-        int8_activations_(int8_activations), dense_from_rows_(dense_from_rows) {
+        output_(projection_from(output, int8_from_rows, dense_from_rows)), dim_(norm.numel()),
+        int8_from_rows_(int8_from_rows), dense_from_rows_(dense_from_rows) {
     TORCH_CHECK(H_ % H_kv_ == 0 && D_ % 8 == 0 && D_ <= inferlab::kMaxHeadDim,
                 "DecodePlan: heads must group evenly and head_dim be a multiple of 8 up to 256");
     TORCH_CHECK(rope_cos.sizes() == rope_sin.sizes() && rope_cos.dim() == 2 && rope_cos.size(1) == D_,
@@ -75,7 +76,7 @@ class DecodePlan : public torch::CustomClassHolder {
   void add_layer(at::Tensor attention_norm, std::vector<at::Tensor> wqkv, std::vector<at::Tensor> wo,
                  at::Tensor ffn_norm, std::vector<at::Tensor> w13, std::vector<at::Tensor> w2) {
     auto projection = [&](const std::vector<at::Tensor>& parts) {
-      return projection_from(parts, int8_activations_, dense_from_rows_);
+      return projection_from(parts, int8_from_rows_, dense_from_rows_);
     };
     Layer layer{Floats(attention_norm, false), projection(wqkv), projection(wo), Floats(ffn_norm, false),
                 projection(w13), projection(w2)};
@@ -208,7 +209,7 @@ class DecodePlan : public torch::CustomClassHolder {
   Floats norm_;
   Projection output_;
   int64_t dim_;
-  bool int8_activations_;
+  int64_t int8_from_rows_;
   int64_t dense_from_rows_;
   std::vector<Layer> layers_;
 };
@@ -218,7 +219,7 @@ class DecodePlan : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(INFERLAB_OPS, m) {
   m.class_<DecodePlan>("DecodePlan")
       .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>,
-                      bool, int64_t>())
+                      int64_t, int64_t>())
       .def("add_layer", &DecodePlan::add_layer)
       .def("step", &DecodePlan::step);
 }

@@ -719,8 +719,9 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 //   a line of L::N fp16 scales and L::N fp16 mins), with `scales` and `mins` the fp16 (N / L::N, G, L::N) views
 //   of its scales and mins (quant/int4.py's tile_rows): the decode step reads them as one stream, without
 //   transposing them on the way. Bias (N,). Scales, mins (of rows) and bias are read as fp32 (converted once,
-//   here, when they are bf16). int8_activations: int4 weights meet int8 activation codes per block of 32 columns
-//   (Int4Format's int8_x: a speculative draft's), not int16 ones per row; the other formats ignore it. `dense`: a
+//   here, when they are bf16). int8_from_rows: products of at least this many activation rows (0: none) meet int4
+//   weights with int8 activation codes per block of 32 columns (Int4Format's int8_x: a speculative draft's, whose
+//   steps of many rows are bound by the multiply-adds), not int16 ones per row; the other formats ignore it. `dense`: a
 //   quantized layer's dequantized bf16 copy (N, K) (kernels/layer.py's DenseCopyLayer), which the amx build
 //   multiplies on its bf16 tiles from `dense_from_rows` activation rows on (a prompt chunk: there the tiles over the
 //   copy outrun the int4 kernel several times, and the Python model's oneDNN GEMM over it up to ~200 rows).
@@ -729,18 +730,18 @@ struct Projection {
   Floats scales, mins, bias;
   int64_t N = 0, K = 0, group = 0;
   const int32_t* tiles = nullptr;  // int4 tiles: every block's Int4Format::tile
-  bool int8_activations = false;
+  int64_t int8_from_rows = 0;
   at::Tensor dense;  // undefined: none
   int64_t dense_from_rows = 0;
 
   Projection(const at::Tensor& w, const std::optional<at::Tensor>& scales_, const std::optional<at::Tensor>& mins_,
-             const std::optional<at::Tensor>& bias_, bool int8_activations_ = false,
+             const std::optional<at::Tensor>& bias_, int64_t int8_from_rows_ = 0,
              const std::optional<at::Tensor>& dense_ = std::nullopt, int64_t dense_from_rows_ = 0)
       : weight(w),
         scales(is_tiles(w) ? Floats() : optional_floats(scales_)),
         mins(is_tiles(w) ? Floats() : optional_floats(mins_)),
         bias(optional_floats(bias_)),
-        int8_activations(int8_activations_),
+        int8_from_rows(int8_from_rows_),
         dense(dense_ ? *dense_ : at::Tensor()),
         dense_from_rows(dense_from_rows_) {
     const bool int4_rows = w.scalar_type() == at::kByte;
@@ -831,7 +832,7 @@ struct Projection {
         break;
       default:  // int4: rows (uint8) or tiles (int32)
         Int4Format(tiles ? nullptr : weight.data_ptr<uint8_t>(), N, K, group, scales.data(), mins.data(), x, M,
-                   int8_activations)(
+                   int8_from_rows > 0 && M >= int8_from_rows)(
             M, bias.data(), y, tiles);
     }
   }
