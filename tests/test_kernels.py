@@ -17,6 +17,7 @@ from inferlab.quant.int4 import (
     Int4GroupLinear,
     dequantize_groups_int4,
     pack_nibbles,
+    quantize_groups_int4,
     tile_parts,
     tile_rows,
     untile_rows,
@@ -298,6 +299,29 @@ def test_bf16_weights_on_tiles_are_the_bf16_activations_product_and_batch_invari
     # bf16 activations (the Python model's bf16 layers) are the same products, rounded to bf16 on the way out
     plain = gemv(x[:5], weight, None, None, None, False)
     assert torch.equal(gemv(x[:5].bfloat16(), weight, None, None, None, False), plain.bfloat16())
+
+
+@pytest.mark.parametrize(("n", "k", "group_size"), [(208, 576, 32), (96, 1536, 64), (48, 64, 32)])
+def test_int4_tiles_in_bf16_are_the_bf16_copy_product(isa, n, k, group_size):
+    """From bf16_from_rows rows on, the amx build multiplies int4 tiles in bf16 (csrc/amx.h: Int4DequantTiles):
+    the same floats, to the bit, as its bf16 tiles over the layer's dequantized copy (q * scale + min rounded to
+    bf16, quant/int4.py), alone or among 1 to 40 and 70 rows (A tiles whole and partial, one and two of them a pass;
+    odd and even counts of 16-row blocks), with a bias; fewer rows keep the int4 kernel's product."""
+    if isa != "amx":
+        pytest.skip("the tiles run on the amx build only")
+    torch.manual_seed(n + k)
+    codes, scales, mins = quantize_groups_int4(torch.randn(n, k), group_size)
+    tiles = tile_rows(pack_nibbles(codes), scales, mins, int4_tile_rows())
+    _, tile_scales, tile_mins = tile_parts(tiles, k // group_size)
+    copy = dequantize_groups_int4(codes, scales, mins).bfloat16()
+    x, bias = torch.randn(70, k) * torch.rand(70, 1) * 4, torch.randn(n)
+    for rows in [*range(1, 41), 70]:
+        want = gemv(x[:rows], copy, None, bias, None, False)
+        got = gemv(x[:rows], tiles, tile_scales, bias, None, False, tile_mins, bf16_from_rows=1)
+        assert torch.equal(got, want), rows
+    int4 = gemv(x[:8], tiles, tile_scales, bias, None, False, tile_mins)
+    assert not torch.equal(int4, gemv(x[:8], copy, None, bias, None, False))
+    assert torch.equal(gemv(x[:8], tiles, tile_scales, bias, None, False, tile_mins, bf16_from_rows=9), int4)
 
 
 @needs_gemv

@@ -25,11 +25,13 @@ GEMV_MAX_ROWS = 8  # rows up to which the kernel runs a dense layer (csrc/gemv.h
 # int4 prompt on an AMX Xeon, fused kernel vs the Python model over bf16 copies (oneDNN on AMX tiles), tok/s: 16
 # tokens 1,213 vs 497, 32 1,318 vs 883, 64 1,404 vs 1,463, 128 1,390 vs 2,187, 512 1,101 vs 3,333
 INT4_KERNEL_MAX_ROWS = 64
-# the same on the amx build, whose fused step multiplies the copies on its own tiles (fused_decode.py: dense_from_rows).
-# SmolLM2 int4 steps on the AMX Xeon, 2 threads, the int4 kernel vs the copies, alternated in one process, ms: a prompt
-# chunk of 33 rows 20.6 vs 17.6, 40 24.1 vs 18.7, 48 28.8 vs 20.1, 64 38.6 vs 23.1; decodes of as many sequences at 150
-# positions (attention and the LM head alike in both) 33 29.8 vs 31.5, 36 31.9 vs 32.4, 40 35.1 vs 33.7, 64 54.9 vs 44.4
-INT4_KERNEL_MAX_ROWS_AMX = 32
+# the same on the amx build, whose fused step takes a step of more rows in bf16, the copies' numbers: up to 55 rows
+# dequantized from the int4 tiles in cache, from 56 the copies streamed (fused_decode.py: dense_from_rows; csrc/amx.h:
+# Int4DequantTiles). SmolLM2 int4, the fused decode step of as many sequences at 150-160 positions on the AMX Xeon, 2
+# threads, ms: with the int4 kernel up to 32 rows 16 15.8, 24 23.0, 32 29.9 (and the copies from 33: 33 25.9, 40 28.7);
+# the projections alone (30 layers), int4 kernel / copy / dequantized: 12 rows 9.0 / 10.5 / 8.3, 16 11.1 / 10.8 / 9.1,
+# 24 16.1 / 12.3 / 10.8, 32 20.5 / 12.9 / 11.4. A sequence's numbers then depend on whether its step held 16 rows
+INT4_KERNEL_MAX_ROWS_AMX = 15
 # rows up to which a bf16 model's step stays on the fused kernel on AMX CPUs (larger ones: the Python model, whose
 # F.linear runs oneDNN's GEMM on the tiles). SmolLM2 bf16 prompt on an AMX Xeon, fused vs Python, tok/s: 16 tokens
 # 618 vs 474, 32 702 vs 877, 64 781 vs 1,372, 128 840 vs 2,174, 512 787 vs 3,429
@@ -91,6 +93,7 @@ def gemv(
     gated: bool,
     mins: Tensor | None = None,
     int8_activations: bool = False,
+    bf16_from_rows: int = 0,
 ) -> Tensor:
     """prepare(x) @ W.T * scales + bias, each part only when given, in one pass over the weight.
 
@@ -100,10 +103,12 @@ def gemv(
     pack_nibbles) with `scales`, `mins` (N, K / group_size), w = q * scale + min (the group size is
     read off their shape); int4 `weight` may also be the kernel's tiles (quant/int4.py's tile_rows), scales and
     mins then views of theirs. `int8_activations`: int4 weights meet int8 activation codes per block of 32
-    columns instead of int16 ones per row (a speculative draft's: FusedDecode.build).
+    columns instead of int16 ones per row (a speculative draft's: FusedDecode.build). `bf16_from_rows` (> 0): int4
+    tiles times this many rows or more are multiplied in bf16 on the amx build, the numbers of the layer's bf16 copy
+    (csrc/amx.h: Int4DequantTiles; the fused step does so from its dense_from_rows).
     """
     norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
-    return kernel_ops().gemv(x, weight, scales, bias, norm_weight, eps, mins, gated, int8_activations)
+    return kernel_ops().gemv(x, weight, scales, bias, norm_weight, eps, mins, gated, int8_activations, bf16_from_rows)
 
 
 def prepared_input(x: Tensor, norm: RMSNorm | None, gated: bool) -> Tensor:

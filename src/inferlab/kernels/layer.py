@@ -78,9 +78,10 @@ class DenseCopyLayer(Protocol):
     bf16 GEMM runs on AMX tiles (kernels/isa.py: amx_bf16_usable), and only for steps of more than
     INT4_KERNEL_MAX_ROWS rows (kernels/gemv.py): elsewhere its kernel's GEMM (csrc/gemv.h) outruns oneDNN's bf16
     one up to 32 rows and ties at 64, and prompts of 512 tokens lose ~15% (kernels/fused_decode.py: many_rows_limit).
-    The amx build's fused step multiplies a bf16 copy on its own tiles beyond INT4_KERNEL_MAX_ROWS_AMX rows, where
-    its tiles overtake the kernel (kernels/fused_decode.py: dense_from_rows), up to BF16_TILES_MAX_ROWS; the Python
-    model's F.linear takes longer steps.
+    The amx build's fused step takes an int4 layer's products in bf16, the copy's numbers, beyond
+    INT4_KERNEL_MAX_ROWS_AMX rows, where its tiles overtake the kernel (kernels/fused_decode.py: dense_from_rows):
+    up to 55 rows its int4 weights dequantized in cache, from there its copy streamed, up to BF16_TILES_MAX_ROWS; the
+    Python model's F.linear takes longer steps.
     """
 
     in_features: int

@@ -1,4 +1,5 @@
-// Products on AMX tiles (the amx build: INFERLAB_AMX): bf16 weights (Bf16Tiles) and int8 weights (Int8Tiles).
+// Products on AMX tiles (the amx build: INFERLAB_AMX): bf16 weights (Bf16Tiles), int8 weights (Int8Tiles), and int4
+// tiles multiplied in bf16 (Int4DequantTiles).
 //
 // bf16: y = x @ W.T with the activations rounded to bf16, each product exact and summed in fp32 by the tiles' bf16
 // dot instruction (TDPBF16PS).
@@ -177,7 +178,7 @@ struct Bf16Tiles {
 // the activations as quads of columns (K / 4, rows), C = 16 x up to 16 sums; two weight blocks share each B load.
 // Covers N a multiple of 16 and K of 64. A tile instruction costs ~4 ns whatever its rows (measured here), so one
 // activation row is cheaper on Int8Step (gemv.h: kInt8TilesMinRows). Results go out a row of y at a time, as
-// Bf16Tiles' do. (int4 weights stay on gemv.h's kernel: their scale per 32 columns needs its own tile dots and a
+// Bf16Tiles' do. (int4 weights' integer products stay on gemv.h's kernel: their scale per 32 columns needs its own tile dots and a
 // store of their sums per block of 32 columns. Built and measured: the int16 codes split into bytes as here, the
 // nibbles masked into B tiles made a few blocks ahead, TDPBSUD + TDPBUUD per block, the sums read back a block or two
 // later and scaled as gemv.h's Int4Format does, the same floats to the bit. SmolLM2's projections, 2 threads, vs
@@ -302,6 +303,142 @@ struct Int8Tiles {
     };
     store(b, 4);
     if (two) store(b + 1, 6);
+  }
+};
+
+// int4 weights as gemv.h's Int4Format tiles (blocks of 16 weight rows: per chunk of 8 columns a 4-byte value a row,
+// then per group a line of the rows' 16 fp16 scales and one of their 16 fp16 mins), multiplied in bf16: each block's
+// weights dequantized in cache, q * scale + min in fp32 (a multiply, then an add: two roundings, as
+// quant/int4.py's dequantize_groups_int4) rounded to bf16, which is what a layer's bf16 copy holds; the activations
+// rounded to bf16. The block's weights become B tiles of column pairs with a lane per weight row, as the int4 tiles
+// already hold them (a byte of a row's 4-byte chunk value is a pair of columns: no transpose), the activations A
+// tiles of 16 rows, C = activation rows x the block's 16 weight rows, summed in fp32 over the whole of K by the tiles'
+// bf16 dot (TDPBF16PS): the same floats as Bf16Tiles over the copy (the products of a pair and their order over K
+// are the same with A and B swapped). Two blocks at a time, each pair of B tiles loaded once for up to 32 activation
+// rows. The dequantizing costs ~13 instructions per 32 weights whatever the rows; the int4 kernel's multiply-adds
+// grow with them. SmolLM2's int4 projections (30 layers, 2 threads, AMX Xeon), the int4 kernel / the bf16 copy on
+// Bf16Tiles / this, ms: 8 rows 6.4 / 9.9 / 6.4, 12 9.0 / 10.5 / 8.3, 16 11.1 / 10.8 / 9.1, 24 16.1 / 12.3 / 10.8,
+// 32 20.5 / 12.9 / 11.4, 40 26.1 / 19.3 / 14.7, 48 35.3 / 22.0 / 20.9, 56 36.5 / 23.3 / 23.9, 64 40.7 / 21.8 / 26.5,
+// 128 82 / 43 / 52 (gemv.h: kInt4CopyFromRows). Covers N a multiple of 16 and groups of a multiple of 32 columns.
+struct Int4DequantTiles {
+  static constexpr int64_t kBlock = 16;  // weight rows per block (the tiles' lanes); activation rows per A tile
+  static constexpr int64_t kDepth = 32;  // columns per tile instruction
+
+  static bool covers(int64_t N, int64_t K, int64_t group) { return N % kBlock == 0 && K % kDepth == 0 && group % kDepth == 0; }
+
+  const int32_t* tiles;  // (N / 16, K / 8 + G, 16) int32
+  int64_t N, K, group, chunks, G, M;
+  std::vector<uint16_t> x;  // (M, K) as bf16
+
+  Int4DequantTiles(const int32_t* tiles_, int64_t N_, int64_t K_, int64_t group_, const float* xf, int64_t M_)
+      : tiles(tiles_), N(N_), K(K_), group(group_), chunks(K_ / 8), G(K_ / group_), M(M_), x(M_ * K_) {
+    for (int64_t i = 0; i < M * K; i += 16) {  // in this thread: a few thousand values, less than a fork's cost
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.data() + i),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + i))));
+    }
+  }
+
+  template <typename Y>
+  void operator()(const float* bias, Y* y) const {
+    at::parallel_for(0, N / kBlock, 2, [&](int64_t begin, int64_t end) {
+      std::vector<uint32_t> b(K * kBlock + 16);  // two blocks' weights as B tiles: (K / 2 column pairs, 16 rows) each
+      uint32_t* bt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(b.data()) + 63) & ~uintptr_t(63));
+      uint32_t* bt1 = bt + K / 2 * kBlock;
+      int64_t configured[2] = {-1, -1};
+      for (int64_t blk = begin; blk < end; blk += 2) {
+        const bool two = blk + 1 < end;
+        dequantize(blk, bt);
+        if (two) dequantize(blk + 1, bt1);
+        for (int64_t m0 = 0; m0 < M; m0 += 2 * kBlock) {
+          const int64_t rows0 = std::min(kBlock, M - m0), rows1 = std::clamp<int64_t>(M - m0 - kBlock, 0, kBlock);
+          if (rows0 != configured[0] || rows1 != configured[1]) {
+            TileConfig c;
+            c.shape(0, rows0, 64);
+            c.shape(4, rows0, 64);
+            c.shape(5, rows0, 64);
+            if (rows1) {
+              c.shape(1, rows1, 64);
+              c.shape(6, rows1, 64);
+              c.shape(7, rows1, 64);
+            }
+            c.shape(2, kBlock, 64);
+            c.shape(3, kBlock, 64);
+            c.load();
+            configured[0] = rows0, configured[1] = rows1;
+          }
+          _tile_zero(4);
+          _tile_zero(5);
+          if (rows1) {
+            _tile_zero(6);
+            _tile_zero(7);
+          }
+          const uint16_t* x0 = x.data() + m0 * K;
+          for (int64_t k = 0; k < K; k += kDepth) {
+            _tile_loadd(0, x0 + k, K * 2);
+            _tile_loadd(2, bt + k / 2 * kBlock, 64);
+            _tile_dpbf16ps(4, 0, 2);
+            if (two) {
+              _tile_loadd(3, bt1 + k / 2 * kBlock, 64);
+              _tile_dpbf16ps(5, 0, 3);
+            }
+            if (rows1) {
+              _tile_loadd(1, x0 + kBlock * K + k, K * 2);
+              _tile_dpbf16ps(6, 1, 2);
+              if (two) _tile_dpbf16ps(7, 1, 3);
+            }
+          }
+          alignas(64) float c[kBlock * kBlock];  // [activation row][weight row]
+          auto store = [&](int64_t block, int64_t first, int64_t rows) {
+            for (int64_t m = 0; m < rows; ++m) {
+              Y* out = y + (first + m) * N + block * kBlock;
+              for (int64_t n = 0; n < kBlock; ++n) out[n] = static_cast<Y>(c[m * kBlock + n] + (bias ? bias[block * kBlock + n] : 0.0f));
+            }
+          };
+          _tile_stored(4, c, 64);
+          store(blk, m0, rows0);
+          if (two) {
+            _tile_stored(5, c, 64);
+            store(blk + 1, m0, rows0);
+          }
+          if (rows1) {
+            _tile_stored(6, c, 64);
+            store(blk, m0 + kBlock, rows1);
+            if (two) {
+              _tile_stored(7, c, 64);
+              store(blk + 1, m0 + kBlock, rows1);
+            }
+          }
+        }
+      }
+      _tile_release();
+    });
+  }
+
+ private:
+  // block blk's weights into bt: row p of the (K / 2, 16) pairs, lane n = (w[n, 2p], w[n, 2p + 1]) as bf16
+  void dequantize(int64_t blk, uint32_t* bt) const {
+    const int32_t* t = tiles + blk * (chunks + G) * kBlock;
+    const uint16_t* halves = reinterpret_cast<const uint16_t*>(t + chunks * kBlock);
+    _mm_prefetch(reinterpret_cast<const char*>(t + (chunks + G) * kBlock * 2), _MM_HINT_T1);
+    alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i interleave = _mm512_load_si512(order), nibble = _mm512_set1_epi32(0xF);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + 2 * g * kBlock)));
+      const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + (2 * g + 1) * kBlock)));
+      for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(t + c * kBlock) + 32 * 1024, _MM_HINT_T1);
+        const __m512i bytes = _mm512_loadu_si512(t + c * kBlock);
+        for (int p = 0; p < 4; ++p) {
+          const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * p), nibble);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * p + 4), nibble);
+          const __m512 lo_w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), scale), min);
+          const __m512 hi_w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), scale), min);
+          const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi_w, lo_w));  // lo 0..15, hi 0..15
+          _mm512_store_si512(bt + (4 * c + p) * kBlock, _mm512_permutexvar_epi16(interleave, both));
+        }
+      }
+    }
   }
 };
 

@@ -13,11 +13,12 @@ using inferlab::Projection;
 // y = rmsnorm(x) @ W.T * scales + bias, each step only when given; W, scales, mins, bias as Projection
 // reads them. x (..., K) fp32 or bf16 -> y (..., N) in x's dtype; norm_weight (K,). `gated`: x is
 // (..., 2K), [gate, up], and the product is taken with silu(gate) * up (SwiGLU). int8_activations: int4 weights
-// meet int8 activation codes at any rows (Projection's int8_from_rows of 1).
+// meet int8 activation codes at any rows (Projection's int8_from_rows of 1). bf16_from_rows (> 0): int4 tiles from
+// this many rows on are multiplied in bf16 on the amx build (Projection's dense_from_rows without a copy).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
                 const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& norm_weight, double eps,
-                const std::optional<at::Tensor>& mins, bool gated, bool int8_activations) {
-  const Projection projection(weight, scales, mins, bias, int8_activations ? 1 : 0);
+                const std::optional<at::Tensor>& mins, bool gated, bool int8_activations, int64_t bf16_from_rows) {
+  const Projection projection(weight, scales, mins, bias, int8_activations ? 1 : 0, std::nullopt, bf16_from_rows);
   const int64_t K = projection.K, N = projection.N;
   const int64_t width = gated ? 2 * K : K;
   TORCH_CHECK(x.size(-1) == width, "gemv: x has ", x.size(-1), " features, expected ", width);
@@ -47,7 +48,7 @@ int64_t int4_tile_rows() { return inferlab::Int4Format::L::N; }
 
 TORCH_LIBRARY_FRAGMENT(INFERLAB_OPS, m) {
   m.def("gemv(Tensor x, Tensor weight, Tensor? scales, Tensor? bias, Tensor? norm_weight, float eps, Tensor? mins, "
-        "bool gated, bool int8_activations=False) -> Tensor");
+        "bool gated, bool int8_activations=False, int bf16_from_rows=0) -> Tensor");
   m.def("int4_tile_rows() -> int", &int4_tile_rows);
 }
 

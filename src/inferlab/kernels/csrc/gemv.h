@@ -46,6 +46,10 @@ constexpr float kInt8Max = 127;       // int4 weights' int8 activation codes per
 // vs 3.9, 4 3.7 vs 4.0, 5 4.9 vs 5.4, 6 5.5 vs 5.6, 8 6.5 vs 6.0, 16 11.6 vs 8.5, 32 21.0 vs 10.4; its LM head
 // (49152 x 576): 2 rows 0.53 vs 0.71, 5 1.01 vs 0.76, 8 1.40 vs 0.79, 16 2.64 vs 0.89
 constexpr int64_t kInt8TilesMinRows = 6;
+// On the amx build, an int4 layer's products of a plan's dense_from_rows rows or more are taken in bf16 (the numbers
+// of its bf16 copy): its tiles dequantized in cache (amx.h: Int4DequantTiles) up to this many rows, its copy streamed
+// from memory from here on, where the copy's single pass outruns dequantizing (amx.h: the measured crossover)
+constexpr int64_t kInt4CopyFromRows = 56;
 
 // Every weight stream is requested into L2 only, this far ahead: one core alone keeps too few loads in flight. A
 // stream of pre-tiled int4 weights (one per thread) decoded SmolLM2 1.3x as fast so as into L1 4 KiB ahead (0.9x
@@ -724,7 +728,9 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 //   steps of many rows are bound by the multiply-adds), not int16 ones per row; the other formats ignore it. `dense`: a
 //   quantized layer's dequantized bf16 copy (N, K) (kernels/layer.py's DenseCopyLayer), which the amx build
 //   multiplies on its bf16 tiles from `dense_from_rows` activation rows on (a prompt chunk: there the tiles over the
-//   copy outrun the int4 kernel several times, and the Python model's oneDNN GEMM over it up to ~200 rows).
+//   copy outrun the int4 kernel several times, and the Python model's oneDNN GEMM over it up to ~200 rows); int4
+//   tiles from dense_from_rows (> 0) up to kInt4CopyFromRows rows are dequantized to the copy's numbers in cache
+//   instead (amx.h: Int4DequantTiles). `dense_from_rows` 0 (the gemv op): the copy, where given, at any rows.
 struct Projection {
   at::Tensor weight;
   Floats scales, mins, bias;
@@ -797,7 +803,13 @@ struct Projection {
   void operator()(const float* x, int64_t M, Y* y) const {
     TORCH_CHECK(M >= 1, "gemv: no activation rows");
 #ifdef INFERLAB_AMX
-    if (dense.defined() && M >= dense_from_rows && Bf16Tiles::covers(N, K)) {  // the copy: scales already applied
+    const bool bf16_products = dense_from_rows > 0 ? M >= dense_from_rows : dense.defined();
+    if (bf16_products && tiles && Int4DequantTiles::covers(N, K, group) &&
+        (M < kInt4CopyFromRows || !dense.defined())) {  // the copy's numbers, made in cache
+      Int4DequantTiles(tiles, N, K, group, x, M)(bias.data(), y);
+      return;
+    }
+    if (bf16_products && dense.defined() && Bf16Tiles::covers(N, K)) {  // the copy: scales already applied
       Bf16Tiles(dense.data_ptr<at::BFloat16>(), N, K, x, M)(nullptr, bias.data(), y);
       return;
     }
