@@ -315,11 +315,14 @@ struct Int8Tiles {
 // tiles of 16 rows, C = activation rows x the block's 16 weight rows, summed in fp32 over the whole of K by the tiles'
 // bf16 dot (TDPBF16PS): the same floats as Bf16Tiles over the copy (the products of a pair and their order over K
 // are the same with A and B swapped). Two blocks at a time, each pair of B tiles loaded once for up to 32 activation
-// rows. The dequantizing costs ~13 instructions per 32 weights whatever the rows; the int4 kernel's multiply-adds
-// grow with them. SmolLM2's int4 projections (30 layers, 2 threads, AMX Xeon), the int4 kernel / the bf16 copy on
-// Bf16Tiles / this, ms: 8 rows 6.4 / 9.9 / 6.4, 12 9.0 / 10.5 / 8.3, 16 11.1 / 10.8 / 9.1, 24 16.1 / 12.3 / 10.8,
-// 32 20.5 / 12.9 / 11.4, 40 26.1 / 19.3 / 14.7, 48 35.3 / 22.0 / 20.9, 56 36.5 / 23.3 / 23.9, 64 40.7 / 21.8 / 26.5,
-// 128 82 / 43 / 52 (gemv.h: kInt4CopyFromRows). Covers N a multiple of 16 and groups of a multiple of 32 columns.
+// rows, and the next pair dequantized a k step at a time between this pair's tile dots (the vector units and the
+// tile unit at work together: 1.07-1.20x as fast as one after the other, 16-48 rows). The dequantizing costs ~13
+// instructions per 32 weights whatever the rows; the int4 kernel's multiply-adds grow with them. SmolLM2's int4
+// projections (30 layers, 2 threads, AMX Xeon), the int4 kernel / the bf16 copy on Bf16Tiles / this (one after the
+// other), ms: 8 rows 6.4 / 9.9 / 6.4, 12 9.0 / 10.5 / 8.3, 16 11.1 / 10.8 / 9.1, 24 16.1 / 12.3 / 10.8, 32 20.5 /
+// 12.9 / 11.4, 40 26.1 / 19.3 / 14.7, 48 35.3 / 22.0 / 20.9, 56 36.5 / 23.3 / 23.9, 64 40.7 / 21.8 / 26.5, 128 82 /
+// 43 / 52; pipelined 16 7.9, 24 8.8, 32 10.5, 40 12.9, 48 14.2, 64 24.6 (copy 24.2), 80 32.3 (31.8), 96 35.6 (33.0)
+// (gemv.h: kInt4CopyFromRows). Covers N a multiple of 16 and groups of a multiple of 32 columns.
 struct Int4DequantTiles {
   static constexpr int64_t kBlock = 16;  // weight rows per block (the tiles' lanes); activation rows per A tile
   static constexpr int64_t kDepth = 32;  // columns per tile instruction
@@ -341,14 +344,19 @@ struct Int4DequantTiles {
   template <typename Y>
   void operator()(const float* bias, Y* y) const {
     at::parallel_for(0, N / kBlock, 2, [&](int64_t begin, int64_t end) {
-      std::vector<uint32_t> b(K * kBlock + 16);  // two blocks' weights as B tiles: (K / 2 column pairs, 16 rows) each
+      std::vector<uint32_t> b(2 * K * kBlock + 16);  // four blocks' weights as B tiles: (K / 2 column pairs, 16 rows) each
       uint32_t* bt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(b.data()) + 63) & ~uintptr_t(63));
       uint32_t* bt1 = bt + K / 2 * kBlock;
       int64_t configured[2] = {-1, -1};
+      uint32_t* next = bt1 + K / 2 * kBlock;  // the next pair's, made while this pair's tile dots run
+      uint32_t* next1 = next + K / 2 * kBlock;
+      for (int64_t s = 0; s < K / kDepth; ++s) {
+        dequantize_step(begin, s, bt);
+        if (begin + 1 < end) dequantize_step(begin + 1, s, bt1);
+      }
       for (int64_t blk = begin; blk < end; blk += 2) {
         const bool two = blk + 1 < end;
-        dequantize(blk, bt);
-        if (two) dequantize(blk + 1, bt1);
+        const int64_t after = blk + 2;  // the next pair's first block, if any
         for (int64_t m0 = 0; m0 < M; m0 += 2 * kBlock) {
           const int64_t rows0 = std::min(kBlock, M - m0), rows1 = std::clamp<int64_t>(M - m0 - kBlock, 0, kBlock);
           if (rows0 != configured[0] || rows1 != configured[1]) {
@@ -374,6 +382,10 @@ struct Int4DequantTiles {
           }
           const uint16_t* x0 = x.data() + m0 * K;
           for (int64_t k = 0; k < K; k += kDepth) {
+            if (m0 == 0 && after < end) {  // the vector units dequantize while the tile unit multiplies
+              dequantize_step(after, k / kDepth, next);
+              if (after + 1 < end) dequantize_step(after + 1, k / kDepth, next1);
+            }
             _tile_loadd(0, x0 + k, K * 2);
             _tile_loadd(2, bt + k / 2 * kBlock, 64);
             _tile_dpbf16ps(4, 0, 2);
@@ -409,34 +421,35 @@ struct Int4DequantTiles {
             }
           }
         }
+        std::swap(bt, next);
+        std::swap(bt1, next1);
       }
       _tile_release();
     });
   }
 
  private:
-  // block blk's weights into bt: row p of the (K / 2, 16) pairs, lane n = (w[n, 2p], w[n, 2p + 1]) as bf16
-  void dequantize(int64_t blk, uint32_t* bt) const {
+  // k step s (columns 32 s .. 32 s + 31) of block blk's weights into bt: rows 16 s .. of the (K / 2, 16) column pairs,
+  // lane n = (w[n, 2p], w[n, 2p + 1]) as bf16
+  void dequantize_step(int64_t blk, int64_t s, uint32_t* bt) const {
     const int32_t* t = tiles + blk * (chunks + G) * kBlock;
     const uint16_t* halves = reinterpret_cast<const uint16_t*>(t + chunks * kBlock);
-    _mm_prefetch(reinterpret_cast<const char*>(t + (chunks + G) * kBlock * 2), _MM_HINT_T1);
     alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i interleave = _mm512_load_si512(order), nibble = _mm512_set1_epi32(0xF);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + 2 * g * kBlock)));
-      const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + (2 * g + 1) * kBlock)));
-      for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(t + c * kBlock) + 32 * 1024, _MM_HINT_T1);
-        const __m512i bytes = _mm512_loadu_si512(t + c * kBlock);
-        for (int p = 0; p < 4; ++p) {
-          const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * p), nibble);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * p + 4), nibble);
-          const __m512 lo_w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), scale), min);
-          const __m512 hi_w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), scale), min);
-          const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi_w, lo_w));  // lo 0..15, hi 0..15
-          _mm512_store_si512(bt + (4 * c + p) * kBlock, _mm512_permutexvar_epi16(interleave, both));
-        }
+    const int64_t g = s * kDepth / group;
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + 2 * g * kBlock)));
+    const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + (2 * g + 1) * kBlock)));
+    for (int64_t c = s * 4; c < s * 4 + 4; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(t + c * kBlock) + 32 * 1024, _MM_HINT_T1);
+      const __m512i bytes = _mm512_loadu_si512(t + c * kBlock);
+      for (int p = 0; p < 4; ++p) {
+        const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * p), nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * p + 4), nibble);
+        const __m512 lo_w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), scale), min);
+        const __m512 hi_w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), scale), min);
+        const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi_w, lo_w));  // lo 0..15, hi 0..15
+        _mm512_store_si512(bt + (4 * c + p) * kBlock, _mm512_permutexvar_epi16(interleave, both));
       }
     }
   }
