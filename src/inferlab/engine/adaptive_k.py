@@ -103,13 +103,11 @@ class AdaptiveK(Acceptance):
 def best_k(acceptance: float, draft_cost: float, max_k: int) -> int:
     """argmax over k in 0..max_k of expected tokens per round over its cost, 1 + k * draft_cost plain steps
     (ties: the shorter round)."""
-    best, best_rate = 0, 1.0
-    tokens, cost, run = 1.0, 1.0, 1.0
+    rates = [tokens / (1 + k * draft_cost) for k, tokens in enumerate(expected_tokens([acceptance], max_k))]
+    best = 0
     for k in range(1, max_k + 1):
-        run *= acceptance
-        tokens, cost = tokens + run, cost + draft_cost
-        if tokens / cost > best_rate * (1 + 1e-9):
-            best, best_rate = k, tokens / cost
+        if rates[k] > rates[best] * (1 + 1e-9):
+            best = k
     return best
 
 

@@ -168,14 +168,15 @@ class EngineLoop:
         if work:
             drafts = self.speculation.propose(batch, self.scheduler.running) if self.speculation else {}
             rows = sum(n for _, n in work) + sum(len(d) for d in drafts.values())
-            generated = sum(len(r.output_ids) for r in batch.decodes) if self.speculation else 0
+            weighed = self.speculation is not None and not batch.prefills  # decodes alone: what adaptive K weighs
+            generated = sum(len(r.output_ids) for r in batch.decodes) if weighed else 0
             start = time.perf_counter()
             with self.threads.step(rows):  # the forward and the sampling; a step of a few rows on fewer threads
                 self._run(work, drafts)
             if batch.prefills:
                 self.stats.prompt_steps += 1
                 self.stats.prompt_step_s += time.perf_counter() - start
-            if self.speculation and len(work) == len(batch.decodes):  # decodes alone: what adaptive K weighs
+            if weighed:
                 self.speculation.step_cost.observe(rows, time.perf_counter() - start)
                 tokens = sum(len(r.output_ids) for r in batch.decodes) - generated
                 self._decode_step = len(batch.decodes), tokens, began
