@@ -23,6 +23,7 @@ from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch
 from inferlab.engine.sequence import Request
 from inferlab.engine.speculative import Speculation
+from inferlab.kernels.build import cpu_gemv_available
 from inferlab.model.loader import LoadedModel
 from inferlab.model.transformer import Transformer
 from inferlab.quant.self_draft import self_draft
@@ -30,9 +31,10 @@ from inferlab.quant.self_draft import self_draft
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # draft: a model of its own (its KV in a pool of its own); self: the target's weights at int4 drafting over the
-# target's KV (self-subset: its LM head over the first 100 ids only); copy: the target itself in a pool of its own,
-# every draft accepted
-DRAFTERS = ["ngram", "draft", "self", "self-subset", "copy"]
+# target's KV (self-subset: its LM head over the first 100 ids only; self-fused: on its own fused C++ step, its draft
+# steps of 2 rows or more on int8 activation codes, conf/spec/self.yaml's default); copy: the target itself in a
+# pool of its own, every draft accepted
+DRAFTERS = ["ngram", "draft", "self", "self-subset", "self-fused", "copy"]
 
 
 def drafter(kind: str, target: Transformer) -> Drafter:
@@ -40,9 +42,14 @@ def drafter(kind: str, target: Transformer) -> Drafter:
         return NgramDrafter()
     if kind == "draft":
         return ModelDrafter(perturbed(target, 0.01, seed=1), min_confidence=0.3)
-    if kind in ("self", "self-subset"):
+    if kind in ("self", "self-subset", "self-fused"):
         draft = self_draft(target, "int4", draft_vocab=100 if kind == "self-subset" else 0)
-        return ModelDrafter(draft, "self", min_confidence=0.1, target_kv=True)
+        fused = kind == "self-fused"
+        own = ModelDrafter(draft, "self", min_confidence=0.1, target_kv=True, int8_from_rows=2 if fused else 0)
+        if fused and cpu_gemv_available():  # else it drafts on the Python model, as "self"
+            own.build_fused(torch.device("cpu"), torch.float32, "fast")
+            assert own.fused is not None
+        return own
     return ModelDrafter(target)
 
 
