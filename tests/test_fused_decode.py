@@ -10,7 +10,7 @@ from inferlab.engine.drafters import ModelRunner
 from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.paged import PagedKVCache, forward_paged
 from inferlab.kernels.build import cpu_gemv_available
-from inferlab.kernels.fused_decode import FUSED_MAX_ROWS, FusedDecode, many_rows_limit
+from inferlab.kernels.fused_decode import FUSED_MAX_ROWS, SHORT_CHUNK_ROWS, FusedDecode, many_rows_limit
 from inferlab.kernels.gemv import (
     BF16_KERNEL_MAX_ROWS,
     BF16_TILES_MAX_ROWS,
@@ -189,6 +189,37 @@ def test_the_engine_loop_decodes_a_batch_through_the_fused_step(isa, tiny_tokeni
     batch = fast.generate_batch(prompts, max_new_tokens=12)
     assert [c.token_ids for c in batch] == [reference.generate(p, max_new_tokens=12).token_ids for p in prompts]
     assert python_decodes == []
+
+
+def test_many_short_chunks_stay_fused_beyond_the_row_limit_on_the_amx_build(isa, tiny_tokenizer):
+    """On the amx build a step of many sequences' short chunks runs fused past many_rows_limit (the Python model
+    attends sequence by sequence); a long chunk does not, and on the other builds the limit is the rows alone. The
+    engine loop's steps then run fused and give what single requests give."""
+    fast = tiny_engine(tiny_tokenizer, "paged", kernels="fast", slots=4)
+    plan = fast.fused.plan
+    limit = 2 * SHORT_CHUNK_ROWS
+    amx = FusedDecode(fast.model, plan, "amx", max_rows=limit)
+    assert amx.covers(limit) and not amx.covers(limit + 1)  # one sequence: its rows alone
+    assert amx.covers(SHORT_CHUNK_ROWS * 3, 3) and not amx.covers(SHORT_CHUNK_ROWS * 3 + 1, 3)
+    assert not amx.covers(FUSED_MAX_ROWS + 1, FUSED_MAX_ROWS)
+    assert not FusedDecode(fast.model, plan, "avx512", max_rows=limit).covers(limit + 1, 3)
+    assert FusedDecode(fast.model, plan, "amx").covers(FUSED_MAX_ROWS)  # no row limit: nothing to add
+    fused_rows: list[int] = []
+
+    class Recording(FusedDecode):
+        def __call__(self, tokens, *args, **kwargs):
+            fused_rows.append(len(tokens))
+            return super().__call__(tokens, *args, **kwargs)
+
+    fast.fused = fast.loop.fused = Recording(fast.model, plan, "amx", max_rows=8)
+    reference = tiny_engine(tiny_tokenizer, "contiguous", kernels="portable")
+    prompts = [list(range(40, 40 + n)) for n in (9, 30, 3)]
+    python_forwards: list[int] = []
+    forward = fast.model.forward
+    fast.model.forward = lambda tokens, *a, **k: python_forwards.append(tokens.shape[1]) or forward(tokens, *a, **k)
+    batch = fast.generate_batch(prompts, max_new_tokens=6)
+    assert [c.token_ids for c in batch] == [reference.generate(p, max_new_tokens=6).token_ids for p in prompts]
+    assert python_forwards == [] and max(fused_rows) > 8  # the steps of the prompts' rows too
 
 
 def test_what_the_fused_step_does_not_cover_keeps_the_python_model(isa, tiny_tokenizer, monkeypatch):

@@ -176,7 +176,7 @@ class FlatAttend:
 
 def runs_fused(fused: FusedDecode | None, batch: FlatBatch) -> bool:
     """Whether `forward_flat` runs `batch` as one C++ call: the engine built a fused step covering its rows."""
-    return fused is not None and fused.covers(batch.num_rows)
+    return fused is not None and fused.covers(batch.num_rows, len(batch.query_lens))
 
 
 def forward_flat(
