@@ -242,3 +242,20 @@ def test_targets_say_which_are_met_and_by_how_much_the_others_are_missed():
         "not measured here",
         "not measured here",
     ]
+    # a miss quotes the value of another study's rows that explains it, where that study has it
+    profile = pd.DataFrame(
+        [
+            {"study": "profile", "precision": "int4", "sequences": 16, "speedup_ceiling": 3.5},
+            {"study": "profile", "precision": "int8", "sequences": 16, "speedup_ceiling": 5.0},
+            {"study": "serving", "precision": None, "sequences": None, "speedup_ceiling": None},
+        ]
+    )
+    why = {"study": "profile", "value": "speedup_ceiling", "where": {"precision": "int4", "sequences": 16}, "says": "x"}
+    explained = [{**t, "why": why} for t in targets]
+    assert target_table(rows, explained, profile).verdict.tolist()[:3] == [
+        "met",
+        "missed: 0.94x the goal; x: 3.5 (profile)",
+        "missed: 1.25x the goal; x: 3.5 (profile)",
+    ]
+    unexplained = {**why, "where": {"precision": "fp32", "sequences": 16}}
+    assert target_table(rows, [{**targets[1], "why": unexplained}], profile).verdict[0] == "missed: 0.94x the goal"

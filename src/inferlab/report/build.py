@@ -125,7 +125,7 @@ def _section(frame: pd.DataFrame, spec: dict[str, Any], report_dir: Path, rel: P
         if not some.empty:
             body += [extra["caption"], _markdown(_table(some, extra))]
     if "targets" in layout:
-        body += [TARGETS_CAPTION, _markdown(target_table(ok, layout["targets"]))]
+        body += [TARGETS_CAPTION, _markdown(target_table(ok, layout["targets"], frame[frame.status == "ok"]))]
     if "chart" in layout:
         png = chart(ok, layout["chart"], spec["title"], report_dir / f"{spec['name']}.png")
         body.append(f"![{spec['title']}]({rel / png.name})")

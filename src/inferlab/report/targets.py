@@ -10,7 +10,10 @@ In conf/study/NAME.yaml, under `report:`:
          over: {server: vllm}, at_least: 1.5}
 
 `pick: max` takes the largest of several matching rows (say, inferlab's builds for each instruction set this CPU
-runs); by default their median.
+runs); by default their median. `why` names another study's value that explains a miss, quoted beside it:
+
+      - {name: ..., why: {study: profile, value: speedup_ceiling, where: {precision: int4, sequences: 16},
+                          says: the fused step's own 16 sequences over 1}}
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ from typing import Any
 import pandas as pd
 
 
-def target_table(rows: pd.DataFrame, targets: list[dict[str, Any]]) -> pd.DataFrame:
-    """One line per target: what it compares, the measured value, the goal, and met / missed by how much."""
+def target_table(
+    rows: pd.DataFrame, targets: list[dict[str, Any]], studies: pd.DataFrame | None = None
+) -> pd.DataFrame:
+    """One line per target: what it compares, the measured value, the goal, and met / missed by how much (and, for a
+    miss with a `why`, that value of the rows of `studies`, every study's)."""
     lines = []
     for target in targets:
         pick = target.get("pick", "median")
@@ -31,12 +37,15 @@ def target_table(rows: pd.DataFrame, targets: list[dict[str, Any]]) -> pd.DataFr
             measured /= _value(rows, {**target["where"], **target["over"]}, target["value"], pick)
         at_least = "at_least" in target
         goal = float(target["at_least"] if at_least else target["at_most"])
+        verdict = _verdict(measured, goal, at_least)
+        if verdict.startswith("missed") and "why" in target and studies is not None:
+            verdict += _why(studies, target["why"])
         lines.append(
             {
                 "target": target["name"],
                 "measured": measured,
                 "goal": f"{'>=' if at_least else '<='} {goal:g}",
-                "verdict": _verdict(measured, goal, at_least),
+                "verdict": verdict,
             }
         )
     return pd.DataFrame(lines, columns=["target", "measured", "goal", "verdict"])
@@ -53,6 +62,14 @@ def _value(rows: pd.DataFrame, where: dict[str, Any], column: str, pick: str) ->
     if values.empty:
         return math.nan
     return float(values.max() if pick == "max" else values.median())
+
+
+def _why(studies: pd.DataFrame, why: dict[str, Any]) -> str:
+    """ "; <says>: <value> (<study>)", the value of `why` in its study's rows, or "" where that study has none."""
+    if "study" not in studies:
+        return ""
+    value = _value(studies[studies.study == why["study"]], why["where"], why["value"], "median")
+    return "" if math.isnan(value) else f"; {why['says']}: {value:.3g} ({why['study']})"
 
 
 def _verdict(measured: float, goal: float, at_least: bool) -> str:
