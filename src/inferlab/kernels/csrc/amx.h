@@ -47,6 +47,11 @@ struct alignas(64) TileConfig {
   void load() const { _tile_loadconfig(this); }
 };
 
+// The first 64-byte boundary at or after p (a buffer allocated 16 values longer): a tile row then starts a cache line
+inline uint32_t* line_aligned(uint32_t* p) {
+  return reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}
+
 struct Bf16Tiles {
   static constexpr int64_t kBlock = 16;       // weight rows per A tile; activation rows per B tile at most
   static constexpr int64_t kDepth = 32;       // columns per tile instruction (an A tile row: 32 bf16, 64 bytes)
@@ -66,7 +71,7 @@ struct Bf16Tiles {
   Bf16Tiles(const at::BFloat16* weights, int64_t N_, int64_t K_, const float* xf, int64_t M_)
       : w(weights), N(N_), K(K_), M(M_), width(std::min(M_, kBlock)),
         storage((M_ + width - 1) / width * width * (K_ / 2) + 16),
-        x(reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63))) {
+        x(line_aligned(storage.data())) {
     for_each_chunk(K / 16, 16, M, [&](int64_t chunk, int64_t m) {  // 16 values to bf16 (round to nearest even): 8 pairs
       alignas(32) uint32_t pairs[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(pairs),
@@ -182,7 +187,8 @@ struct Bf16Tiles {
 // total, exact in int64, is rounded to float once, as Int8Step::total rounds its own exact total: the same float,
 // so a row gets the same result on this path and on Int8Step's (which the calls of one row keep: batch
 // invariance). The layout is Bf16Tiles': A = 16 weight rows x 64 columns straight from the row-major weights, B =
-// the activations as quads of columns (K / 4, rows), C = 16 x up to 16 sums; two weight blocks share each B load.
+// the activations as quads of columns (blocks of 16 rows: K / 4, 16), C = 16 x up to 16 sums; two weight blocks
+// share each B load.
 // Covers N a multiple of 16 and K of 64. A tile instruction costs ~4 ns whatever its rows (measured here), so one
 // activation row is cheaper on Int8Step (gemv.h: kInt8TilesMinRows). Results go out a row of y at a time, as
 // Bf16Tiles' do. (int4 weights' integer products stay on gemv.h's kernel: their scale per 32 columns needs its own tile dots and a
@@ -211,7 +217,7 @@ struct Int8Tiles {
   template <typename Codes>  // codes(row, K, out int16) -> the scale that undoes them (gemv.h's int16_codes)
   Int8Tiles(const int8_t* weights, int64_t N_, int64_t K_, const float* xf, int64_t M_, Codes codes)
       : w(weights), N(N_), K(K_), M(M_), storage(2 * padded() + 16), x_scale(M_) {
-    high = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
+    high = line_aligned(storage.data());
     low = high + padded();
     std::vector<int16_t> rows(M * K);  // (M, K): each row's codes, then (below) split by bytes
     for_each_row(M, [&](int64_t m) { x_scale[m] = codes(xf + m * K, K, rows.data() + m * K); });
@@ -359,7 +365,7 @@ struct Int4DequantTiles {
   void operator()(const float* bias, Y* y) const {
     at::parallel_for(0, N / kBlock, 2, [&](int64_t begin, int64_t end) {
       std::vector<uint32_t> b(2 * K * kBlock + 16);  // four blocks' weights as B tiles: (K / 2 column pairs, 16 rows) each
-      uint32_t* bt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(b.data()) + 63) & ~uintptr_t(63));
+      uint32_t* bt = line_aligned(b.data());
       uint32_t* bt1 = bt + K / 2 * kBlock;
       int64_t configured[2] = {-1, -1};
       uint32_t* next = bt1 + K / 2 * kBlock;  // the next pair's, made while this pair's tile dots run
