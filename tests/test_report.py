@@ -251,11 +251,14 @@ def test_targets_say_which_are_met_and_by_how_much_the_others_are_missed():
         ]
     )
     why = {"study": "profile", "value": "speedup_ceiling", "where": {"precision": "int4", "sequences": 16}, "says": "x"}
-    explained = [{**t, "why": why} for t in targets]
+    other = {**why, "where": {"precision": "int8", "sequences": 16}, "says": "y"}
+    explained = [{**t, "why": [why, other]} for t in targets]
     assert target_table(rows, explained, profile).verdict.tolist()[:3] == [
         "met",
-        "missed: 0.94x the goal; x: 3.5 (profile)",
-        "missed: 1.25x the goal; x: 3.5 (profile)",
+        "missed: 0.94x the goal; x: 3.5 (profile); y: 5 (profile)",
+        "missed: 1.25x the goal; x: 3.5 (profile); y: 5 (profile)",
     ]
     unexplained = {**why, "where": {"precision": "fp32", "sequences": 16}}
-    assert target_table(rows, [{**targets[1], "why": unexplained}], profile).verdict[0] == "missed: 0.94x the goal"
+    assert target_table(rows, [{**targets[1], "why": [unexplained, other]}], profile).verdict[0] == (
+        "missed: 0.94x the goal; y: 5 (profile)"
+    )

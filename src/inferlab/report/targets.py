@@ -10,10 +10,11 @@ In conf/study/NAME.yaml, under `report:`:
          over: {server: vllm}, at_least: 1.5}
 
 `pick: max` takes the largest of several matching rows (say, inferlab's builds for each instruction set this CPU
-runs); by default their median. `why` names another study's value that explains a miss, quoted beside it:
+runs); by default their median. `why` names values of other studies that explain a miss, each quoted beside it in
+turn (a value its study does not have is left out):
 
-      - {name: ..., why: {study: profile, value: speedup_ceiling, where: {precision: int4, sequences: 16},
-                          says: the fused step's own 16 sequences over 1}}
+      - {name: ..., why: [{study: profile, value: speedup_ceiling, where: {precision: int4, sequences: 16},
+                           says: the fused step's own 16 sequences over 1}, ...]}
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def target_table(
     rows: pd.DataFrame, targets: list[dict[str, Any]], studies: pd.DataFrame | None = None
 ) -> pd.DataFrame:
     """One line per target: what it compares, the measured value, the goal, and met / missed by how much (and, for a
-    miss with a `why`, that value of the rows of `studies`, every study's)."""
+    miss with a `why`, those values of the rows of `studies`, every study's)."""
     lines = []
     for target in targets:
         pick = target.get("pick", "median")
@@ -39,7 +40,7 @@ def target_table(
         goal = float(target["at_least"] if at_least else target["at_most"])
         verdict = _verdict(measured, goal, at_least)
         if verdict.startswith("missed") and "why" in target and studies is not None:
-            verdict += _why(studies, target["why"])
+            verdict += "".join(_why(studies, why) for why in target["why"])
         lines.append(
             {
                 "target": target["name"],
