@@ -14,13 +14,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from conftest import tiny_model
+from omegaconf import OmegaConf
 
+from inferlab.bench.prompts import load_tokenizer
 from inferlab.bench.studies.peers import Peer, prefill_rates
 from inferlab.bench.studies.profile import phase_weight_bytes
-from inferlab.bench.studies.serving import paired_variants
+from inferlab.bench.studies.serving import load_plan, paired_variants
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.kernels.isa import supported_isas
-from inferlab.paths import cache_dir
+from inferlab.paths import cache_dir, conf_dir
 from inferlab.quant.apply import module_bytes, weight_bytes
 from inferlab.report.build import build
 
@@ -268,6 +270,18 @@ def test_serving_drives_every_server_over_every_level_in_one_job(tmp_path: Path)
         assert 0 < row["engine_ttft_ms"] and 0 < row["event_loop_cpu_pct"] < row["process_cpu_pct"]
     log = next(path for path in tmp_path.rglob("inferlab.log"))
     assert "precision int4 (auto: the GGUF's Q4_1)" in log.read_text()  # inferlab-serve ran its defaults
+
+
+def test_every_serving_load_gets_prompts_of_its_own():
+    tokenizer = load_tokenizer(dict(OmegaConf.load(conf_dir() / "model" / "smollm2-135m.yaml")))
+    load = {**OmegaConf.load(conf_dir() / "load" / "shakespeare.yaml"), "num_requests": 16, "prompt_tokens": 128}
+    warmup, rounds = load_plan(tokenizer, load, [1, 4, 8, 16, 32], rounds=3, warmup=1, seed=0)
+    assert len(warmup) == 1 and len(rounds) == 3
+    assert all([len(r[c]) for c in (1, 4, 8, 16, 32)] == [16, 16, 16, 16, 32] for r in rounds)
+    prompts = warmup + [p for r in rounds for level in r.values() for p in level]
+    assert all(len(p.token_ids) == 128 for p in prompts)
+    # no two begin with the same block of 16 tokens: none finds another's blocks in a prefix cache
+    assert len({tuple(p.token_ids[:16]) for p in prompts}) == len(prompts) == 1 + 3 * 96
 
 
 def test_each_variant_is_paired_with_the_one_differing_only_by_the_paired_override():

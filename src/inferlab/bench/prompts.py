@@ -59,14 +59,15 @@ def corpus_ids(tokenizer: Tokenizer, text_name: str, min_tokens: int) -> list[in
 
 
 def make_prompts(tokenizer: Tokenizer, load: dict[str, Any], seed: int = 0) -> list[Prompt]:
-    """`load.num_requests` prompts of `load.prompt_tokens` tokens from `load.dataset`."""
+    """`load.num_requests` prompts of `load.prompt_tokens` tokens from `load.dataset` (shakespeare: excerpts at
+    distinct offsets)."""
     rng = random.Random(seed)
     n, length, dataset = int(load["num_requests"]), int(load["prompt_tokens"]), load["dataset"]
     if dataset == "random":
         vocab = sorted(set(range(tokenizer.vocab_size)) - tokenizer.special_ids - tokenizer.eos_ids)
         return [_raw(tokenizer, [rng.choice(vocab) for _ in range(length)]) for _ in range(n)]
-    ids = corpus_ids(tokenizer, load["text"], length * 4)
-    starts = [rng.randrange(0, len(ids) - length) for _ in range(n)]
+    ids = corpus_ids(tokenizer, load["text"], max(length * 4, length + n))
+    starts = rng.sample(range(len(ids) - length), n)
     if dataset == "shakespeare":
         return [_raw(tokenizer, ids[s : s + length]) for s in starts]
     if dataset == "shared_prefix":

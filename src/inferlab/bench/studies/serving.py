@@ -3,10 +3,11 @@
 inferlab-serve runs once per `study.inferlab_variants` entry (overrides; the serving_spec study: spec off and
 spec=self at the same precision). Every server is started once on its own loopback port, on the same weights (the
 job's GGUF), and the same load generator drives each in turn with the same prompts, the others paused (SIGSTOP)
-meanwhile: in each round, for each concurrency level, every server gets one closed-loop streaming load of
-max(load.num_requests, c) requests, in the listed order in even rounds and in reverse in odd ones, so each server
-runs before and after each other one about equally often (rotated, 4 servers over 5 rounds ran spec off before
-its spec=self partner 4 times of 5). Each figure is the median over the rounds.
+meanwhile; every load has prompts of its own, so none is answered from a prefix cache. In each round, for each
+concurrency level, every server gets one closed-loop streaming load of max(load.num_requests, c) requests, in the
+listed order in even rounds and in reverse in odd ones, so each server runs before and after each other one about
+equally often (rotated, 4 servers over 5 rounds ran spec off before its spec=self partner 4 times of 5). Each
+figure is the median over the rounds.
 
 With `study.paired_with` (serving_spec: spec=off), each inferlab-serve variant's output tok/s is also divided by
 that of the variant with that override in place of its own, load by load (same round, same level, seconds apart),
@@ -38,6 +39,7 @@ from inferlab.bench.peer_servers import ServerSpec, inferlab_server, llama_cpp_s
 from inferlab.bench.prompts import Prompt, load_tokenizer, make_prompts
 from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.model.loader import locate_package_file
+from inferlab.model.tokenizer import Tokenizer
 
 METRICS = (
     "output_throughput",
@@ -59,11 +61,8 @@ def run(cfg: DictConfig) -> Rows:
     if not specs:
         raise StudyUnavailable("no server to measure: " + "; ".join(r["note"] for r in rows))
     tokenizer = load_tokenizer(model)
-    levels = [int(c) for c in study.levels]
-    prompts = {
-        c: make_prompts(tokenizer, {**load, "num_requests": max(int(load["num_requests"]), c)}, seed=cfg.seed or 0)
-        for c in levels
-    }
+    levels, rounds = [int(c) for c in study.levels], int(cfg.measure.repeats)
+    warmup_prompts, prompts = load_plan(tokenizer, load, levels, rounds, max(1, int(cfg.measure.warmup)), cfg.seed or 0)
     log_dir = Path(HydraConfig.get().runtime.output_dir)
     samples: dict[tuple[str, int], list[dict[str, float]]] = {(s.name, c): [] for s in specs for c in levels}
     with ExitStack() as stack:
@@ -88,11 +87,11 @@ def run(cfg: DictConfig) -> Rows:
                 server.pause()
 
         for spec in specs:  # warm-up: compile paths, fill caches, untimed
-            drive(spec, prompts[levels[0]][: max(1, int(cfg.measure.warmup))], 1)
-        for r in tqdm(range(int(cfg.measure.repeats)), desc="serving rounds", leave=False):
+            drive(spec, warmup_prompts, 1)
+        for r in tqdm(range(rounds), desc="serving rounds", leave=False):
             for c in levels:
                 for spec in specs if r % 2 == 0 else specs[::-1]:
-                    samples[spec.name, c].append(drive(spec, prompts[c], c))
+                    samples[spec.name, c].append(drive(spec, prompts[r][c], c))
     pairs = paired_variants(study.inferlab_variants, study.get("paired_with"))
     for spec in specs:
         base = None
@@ -117,7 +116,7 @@ def run(cfg: DictConfig) -> Rows:
                     "concurrency": c,
                     **row,
                     "speedup_vs_c1": row["output_throughput"] / base,
-                    "requests": len(prompts[c]),
+                    "requests": len(prompts[0][c]),
                     "prompt_tokens": int(load["prompt_tokens"]),
                     "output_tokens": int(load["output_tokens"]),  # asked per request
                     "weights": spec.weights,
@@ -125,6 +124,18 @@ def run(cfg: DictConfig) -> Rows:
                 }
             )
     return rows
+
+
+def load_plan(
+    tokenizer: Tokenizer, load: dict[str, Any], levels: list[int], rounds: int, warmup: int, seed: int
+) -> tuple[list[Prompt], list[dict[int, list[Prompt]]]]:
+    """The warm-up's `warmup` prompts, then each round's for each level c: max(load.num_requests, c) of them, all
+    drawn apart (make_prompts: distinct excerpts). Every load gets prompts of its own, every server the same ones in a
+    round: a prompt sent before would find its blocks in the servers' prefix caches, its first token no prefill."""
+    sizes = {c: max(int(load["num_requests"]), c) for c in levels}
+    fresh = iter(make_prompts(tokenizer, {**load, "num_requests": warmup + rounds * sum(sizes.values())}, seed=seed))
+    warmup_prompts = [next(fresh) for _ in range(warmup)]
+    return warmup_prompts, [{c: [next(fresh) for _ in range(n)] for c, n in sizes.items()} for _ in range(rounds)]
 
 
 def paired_variants(variants: list[list[str]], paired_with: str | None) -> dict[str, tuple[str, str]]:
