@@ -27,14 +27,15 @@ from inferlab.model.transformer import Transformer, rope_tables
 # above any prompt chunk the schedulers make (scheduler.max_batched_tokens).
 FUSED_MAX_ROWS = 2048
 # On the amx build, a step of many sequences stays fused beyond many_rows_limit while its sequences bring at most this
-# many rows each on average (short prompt chunks, decodes): the Python model attends sequence by sequence (~3-4 ms a
-# sequence over SmolLM2's 30 layers), which costs it more than oneDNN's GEMM gains; a long chunk's rows, each attending
-# its own keys in the plan, go to the Python model (its SDPA) as before. SmolLM2 int4 on the AMX Xeon, one step of S
-# sequences x R new rows (after a cached prefix), the Python model vs fused, ms: 16 x 16 150 vs 88, 32 x 8 197 vs 92,
-# 8 x 32 119 vs 84, 4 x 64 102 vs 78, 4 x 128 145 vs 155, 3 x 170 157 vs 167, 2 x 192 131 vs 131, 1 x 511 158 vs
-# 234; 16 decodes + a 240-row chunk 115 vs 112; bf16 and int8 alike (16 x 16: 155 vs 92, 149 vs 92; 4 x 128: 151 vs
-# 162, 142 vs 158)
-SHORT_CHUNK_ROWS = 64
+# many rows each on average (prompt chunks of up to 128 tokens, decodes): the Python model attends sequence by sequence
+# (~3-4 ms a sequence over SmolLM2's 30 layers), which costs it more than oneDNN's GEMM gains; a long chunk's rows,
+# each attending its own keys in the plan, go to the Python model (its SDPA). SmolLM2 int4 on the AMX Xeon, one step of
+# S sequences x R new rows after a cached prefix of P tokens, the Python model vs fused, ms: P = 112: 16 x 16 162 vs 89,
+# 32 x 8 236 vs 92, 8 x 32 139 vs 92, 2 x 100 95 vs 79, 3 x 96 119 vs 104, 2 x 128 104 vs 87, 16 decodes + a 240-row
+# chunk 114 vs 110; P = 16 (a burst of new prompts): 16 x 16 144 vs 73, 2 x 128 102-112 vs 80-83, 3 x 128 150 vs 136,
+# 4 x 96 154 vs 130, 4 x 128 146 vs 144, 1 x 256 97 vs 90, 1 x 511 185 vs 225; bf16 and int8 alike (2 x 128: 117 vs
+# 83, 117 vs 87; 4 x 128: 169 vs 175, 171 vs 171)
+SHORT_CHUNK_ROWS = 128
 
 
 def projection_parts(linear: nn.Module, with_copy: bool = True) -> list[Tensor] | None:
