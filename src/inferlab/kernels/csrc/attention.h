@@ -181,7 +181,10 @@ void with_heads(int64_t n, const F& f) {
 // memory, every update a store and a reload (SmolLM2's 30 layers for 16 sequences at position 160: 2.5-3.2 ms
 // then, 1.6-2.0 ms so; one sequence 0.43 -> 0.32 ms; the same floats, summed in the same order). Each key's
 // products with a query head are a vector of S::N partial sums; S::N keys' vectors are summed into one vector of
-// their scores at once (S::sums), not each across its own lanes (a horizontal sum per key and head).
+// their scores at once (S::sums), not each across its own lanes (a horizontal sum per key and head). (Built and
+// measured: bf16 keys against the query rounded to bf16, two VDPBF16PS a key and head instead of widening the key and
+// four multiply-adds: no faster, 16 sequences at position 160 3.56 vs 3.43 ms, a prompt chunk of 128 rows after 16
+// positions 10.6 vs 10.4 ms, with 1e-3 error against 5e-7: the keys' products are not what bounds this loop.)
 template <typename S, int V_, int GT, typename T>
 void score_heads(const float* q, const KvPool<T>& keys, const KvPool<T>& values, const int64_t* table, int64_t h,
                  int64_t L, int64_t D, float scale, float* p, float* max_score) {
