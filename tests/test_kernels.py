@@ -373,6 +373,51 @@ def test_decode_attention_writes_the_step_and_equals_sdpa(isa, dtype, block_size
 
 
 @needs_gemv
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_prompt_chunks_attend_causally_beside_single_rows(isa, heads, head_dim):
+    """One step's rows as the fused step hands them over: a chunk of 37 rows after 20 cached positions, a decode of
+    another sequence, a chunk of 16 rows from position 0 and a run of 15 (bf16 pools, fp32 queries). On the amx
+    build runs of 16 rows or more of one sequence take the tiles (csrc/chunk_attention.h: bf16 queries and weights,
+    partial tiles of rows and keys, causal within the chunk); the others, and head dims not a multiple of 64,
+    attend a row at a time in fp32. Every row equals attention over its own keys up to its position."""
+    torch.manual_seed(head_dim)
+    (n_heads, n_kv_heads), block_size, per_sequence = heads, 16, 8
+    runs = [(0, range(20, 57)), (1, range(90, 91)), (2, range(0, 16)), (3, range(5, 20))]  # (sequence, positions)
+    k_pool, v_pool = (
+        torch.randn(1 + 4 * per_sequence, n_kv_heads, block_size, head_dim).bfloat16() * 3 for _ in range(2)
+    )
+    sequence_tables = torch.randperm(4 * per_sequence).add(1).view(4, per_sequence)
+    rows = [(s, p) for s, positions in runs for p in positions]
+    tables = torch.stack([sequence_tables[s] for s, _ in rows])
+    positions = torch.tensor([p for _, p in rows])
+    q = torch.randn(len(rows), n_heads, 1, head_dim)
+    k, v = (torch.randn(len(rows), n_kv_heads, 1, head_dim) for _ in range(2))
+    out = decode_attention(q, k, v, k_pool, v_pool, tables, positions)
+    chunk_rows = head_dim % 64 == 0 and isa == "amx"
+    for i, (s, p) in enumerate(rows):
+        keys, values = (
+            pool[sequence_tables[s]].transpose(0, 1).reshape(n_kv_heads, -1, head_dim)[:, : p + 1]
+            for pool in (k_pool, v_pool)
+        )
+        assert torch.equal(keys[:, -1], k[i, :, 0].bfloat16()) and torch.equal(values[:, -1], v[i, :, 0].bfloat16())
+        expected = F.scaled_dot_product_attention(
+            q[i : i + 1].double(), keys[None].double(), values[None].double(), enable_gqa=True
+        )
+        if not (chunk_rows and s in (0, 2)):
+            assert (out[i : i + 1].double() - expected).abs().max() <= 1e-4, (s, p)
+            continue
+        # the tiles' roundings: the scaled query and the unnormalized weights to bf16, their sum from fp32 values
+        group = n_heads // n_kv_heads
+        keys, values = (x.double().repeat_interleave(group, 0) for x in (keys, values))  # (H, p + 1, D)
+        scores = (q[i, :, 0] * head_dim**-0.5).bfloat16().double()[:, None] @ keys.transpose(1, 2)  # (H, 1, p + 1)
+        weights = (scores - scores.amax(-1, keepdim=True)).exp().float()
+        tiles = weights.bfloat16().double() @ values / weights.double().sum(-1, keepdim=True)
+        assert (out[i, :, 0].double() - tiles[:, 0]).abs().max() <= 2e-3, (s, p)
+        assert (out[i : i + 1].double() - expected).abs().max() <= TOLERANCE[torch.bfloat16] * 3, (s, p)
+
+
+@needs_gemv
 @pytest.mark.parametrize("shape", [(1, 64), (1, 3, 64), (2, 7, 64), (40, 64)])
 def test_gemv_linear_matches_the_unfused_ops_for_any_batch(isa, shape):
     """Few rows take the kernel, more rows `F.linear`: either way linear(norm(x)), linear(silu(g) * u)."""
