@@ -28,14 +28,15 @@ constexpr int64_t kChunkMinRows = 16;  // a run of this many rows of one sequenc
 
 // One key/value head's keys 0..L-1 and their values as B tiles, made once per chunk and head
 struct ChunkKv {
-  int64_t L = 0, padded = 0, D = 0;  // keys; keys rounded up to 32 (the value tiles' depth); head dim
+  int64_t D = 0;                 // head dim; below, `padded`: the keys rounded up to 32 (the value tiles' depth)
   std::vector<uint32_t> keys;    // (padded / 16, D / 32, 16, 16): [key block][column chunk][pair p][key n] = k[n][2p, 2p+1]
   std::vector<uint32_t> values;  // (padded / 32, D / 16, 16, 16): [key block][column block][key pair j][column d]
 
-  // key_row(l), value_row(l): position l's D bf16 values (uint16)
+  // keys 0..L-1: key_row(l), value_row(l) position l's D bf16 values (uint16)
   template <typename KeyRows, typename ValueRows>
-  void make(const KeyRows& key_row, const ValueRows& value_row, int64_t L_, int64_t D_) {
-    L = L_, D = D_, padded = (L_ + 31) / 32 * 32;
+  void make(const KeyRows& key_row, const ValueRows& value_row, int64_t L, int64_t D_) {
+    D = D_;
+    const int64_t padded = (L + 31) / 32 * 32;
     keys.assign(padded / 16 * (D / 32) * 256, 0);
     values.assign(padded / 32 * (D / 16) * 256, 0);
     for (int64_t l = 0; l < L; ++l) {
