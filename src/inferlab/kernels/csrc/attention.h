@@ -330,7 +330,10 @@ inline std::vector<int64_t> attend_chunks(const float* q, const KvPool<at::BFloa
   for (int64_t b = 0; b < B;) {
     const int64_t* table = tables + b * table_width;
     int64_t e = b + 1;
-    while (e < B && positions[e] == positions[e - 1] + 1 && std::equal(table, table + table_width, tables + e * table_width)) ++e;
+    while (e < B && positions[e] == positions[e - 1] + 1 &&
+           std::equal(table, table + table_width, tables + e * table_width)) {
+      ++e;
+    }
     if (e - b >= kChunkMinRows) {
       runs.push_back({b, e - b});
     } else {
@@ -356,7 +359,9 @@ inline std::vector<int64_t> attend_chunks(const float* q, const KvPool<at::BFloa
   std::vector<Tile> tiles;  // per run, key/value head and 16 rows: every query head of the group
   for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r) {
     for (int64_t h = 0; h < H_kv; ++h) {
-      for (int64_t first = 0; first < runs[r].n; first += 16) tiles.push_back({r, r * H_kv + h, first, std::min<int64_t>(16, runs[r].n - first)});
+      for (int64_t first = 0; first < runs[r].n; first += 16) {
+        tiles.push_back({r, r * H_kv + h, first, std::min<int64_t>(16, runs[r].n - first)});
+      }
     }
   }
   const int64_t group = H / H_kv;
@@ -393,7 +398,9 @@ void write_and_attend(const float* q, const float* k, const float* v, const KvPo
   std::iota(rows.begin(), rows.end(), 0);
 #ifdef INFERLAB_AMX
   if constexpr (std::is_same_v<T, at::BFloat16>) {  // a prompt chunk's rows on the tiles; the others stay
-    if (D % 64 == 0) rows = attend_chunks(q, k_pool, v_pool, tables, table_width, positions, B, H, H_kv, D, scale, out);
+    if (D % 64 == 0 && B >= kChunkMinRows) {
+      rows = attend_chunks(q, k_pool, v_pool, tables, table_width, positions, B, H, H_kv, D, scale, out);
+    }
   }
 #endif
   const int64_t R = static_cast<int64_t>(rows.size());

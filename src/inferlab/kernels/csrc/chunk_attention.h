@@ -12,9 +12,7 @@
 
 #ifdef INFERLAB_AMX
 
-#include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
