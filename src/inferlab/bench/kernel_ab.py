@@ -30,7 +30,9 @@ from inferlab.kernels.isa import Isa
 from inferlab.quant.int4 import pack_nibbles, quantize_groups_int4, tile_parts, tile_rows
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's qkv, o, gate|up, down (N, K)
-FORMATS = ("fp32", "bf16", "int8", "int4", "int4_x8")  # int4_x8: int4 weights, int8 activation codes (a draft's)
+# int4_x8: int4 weights, int8 activation codes (a draft's); int4_bf16: int4 weights multiplied in bf16 on the amx build
+# (the fused step's from its dense_from_rows: csrc/amx.h's Int4DequantTiles)
+FORMATS = ("fp32", "bf16", "int8", "int4", "int4_x8", "int4_bf16")
 Weights = tuple[Tensor, Tensor | None, Tensor | None]  # weight, scales, mins as the gemv op takes them
 
 
@@ -87,13 +89,17 @@ def compare(
     for weight_format in formats:
         weights = [random_weights(weight_format, n, k, tile_rows_) for n, k in shapes]
         x8 = weight_format == "int4_x8"  # int8 activation codes
+        bf16_from_rows = 1 if weight_format == "int4_bf16" else 0
         for m in rows:
             xs = [torch.randn(m, k) for _, k in shapes]
             flops = 2 * m * sum(n * k for n, k in shapes)
             repeats = max(1, int(min_flops // flops))
 
             def run(ops: Any) -> list[Tensor]:
-                return [ops.gemv(x, w, s, None, None, 0.0, mins, False, x8) for x, (w, s, mins) in zip(xs, weights)]
+                return [
+                    ops.gemv(x, w, s, None, None, 0.0, mins, False, x8, bf16_from_rows)
+                    for x, (w, s, mins) in zip(xs, weights)
+                ]
 
             same = all(torch.equal(a, b) for a, b in zip(*(run(ops) for ops in builds)))
             seconds: list[list[float]] = [[], []]
