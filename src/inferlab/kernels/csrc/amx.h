@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "parallel.h"
@@ -64,20 +65,43 @@ struct Bf16Tiles {
   // (ceil(M / width), K / 2, width): activation row m's columns (2p, 2p + 1) at [m / width, p, m % width], as bf16.
   // Each B tile is 1 KiB in one piece: with one (K / 2, M) matrix, its rows 4 M bytes apart fell into a quarter
   // of L1's sets or less beyond 16 rows (SmolLM2's 120 products, 2 threads, ms: 256 rows 54.0-57.6 -> 48.0-49.4; a
-  // 127-token prompt's fused step 45.7 -> 41.2-43.5); 64-byte aligned
-  std::vector<uint32_t> storage;
+  // 127-token prompt's fused step 45.7 -> 41.2-43.5); 64-byte aligned. Left uninitialized: the tiles read only the
+  // columns of the rows the call has, each written below
+  std::unique_ptr<uint32_t[]> storage;
   uint32_t* x;
 
   Bf16Tiles(const at::BFloat16* weights, int64_t N_, int64_t K_, const float* xf, int64_t M_)
       : w(weights), N(N_), K(K_), M(M_), width(std::min(M_, kBlock)),
-        storage((M_ + width - 1) / width * width * (K_ / 2) + 16),
-        x(line_aligned(storage.data())) {
-    for_each_chunk(K / 16, 16, M, [&](int64_t chunk, int64_t m) {  // 16 values to bf16 (round to nearest even): 8 pairs
-      alignas(32) uint32_t pairs[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs),
-                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + m * K + 16 * chunk))));
-      uint32_t* block = x + m / width * (K / 2 * width) + m % width;
-      for (int p = 0; p < 8; ++p) block[(8 * chunk + p) * width] = pairs[p];
+        storage(new uint32_t[(M_ + width - 1) / width * width * (K_ / 2) + 16]),
+        x(line_aligned(storage.get())) {
+    if (M < kBlock) {  // a few rows (a decode step): each value rounded to bf16 (to nearest even) and put in place
+      for_each_chunk(K / 16, 16, M, [&](int64_t chunk, int64_t m) {  // 16 values: 8 pairs
+        alignas(32) uint32_t pairs[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs),
+                           reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + m * K + 16 * chunk))));
+        for (int p = 0; p < 8; ++p) x[(8 * chunk + p) * width + m] = pairs[p];
+      });
+      return;
+    }
+    // per 16 activation rows and 32 columns: each row's 16 column pairs rounded to bf16, the 16 x 16 pairs transposed
+    // in registers into their B tile rows (a pair's value of every activation row); put in place a pair at a time
+    // as above, this took ~7 % of the fused step of two 128-token prompts (SmolLM2 int4, perf)
+    const int64_t steps = K / kDepth, units = (M + kBlock - 1) / kBlock * steps;
+    at::parallel_for(0, units, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t m0 = unit / steps * kBlock, k = unit % steps * kDepth, rows = std::min(kBlock, M - m0);
+        __m512i pairs[kBlock];
+        for (int64_t m = 0; m < kBlock; ++m) {
+          const float* row = xf + (m0 + m) * K + k;
+          pairs[m] = m < rows ? reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row)))
+                              : _mm512_setzero_si512();
+        }
+        Wide::transpose(pairs);  // pairs[p] lane m: activation row m0 + m's columns (k + 2p, k + 2p + 1)
+        uint32_t* block = x + m0 / width * (K / 2 * width) + k / 2 * width;
+        for (int64_t p = 0; p < kBlock; ++p) {
+          _mm512_mask_storeu_epi32(block + p * width, static_cast<__mmask16>((1u << rows) - 1), pairs[p]);
+        }
+      }
     });
   }
 
@@ -137,7 +161,9 @@ struct Bf16Tiles {
       _tile_zero(7);
     }
     // the next pair's weights requested into L2 in their memory order, a k step's share at a time (ahead in the
-    // order of the tile loads streamed slower, as did nothing: the hardware prefetcher then sees 32 strided rows)
+    // order of the tile loads streamed slower, as did nothing: the hardware prefetcher then sees 32 strided rows).
+    // Beyond 32 rows this repeats for every 32 rows of the same pair; requesting them on its first 32 only was 1.35x
+    // as fast in a one-loop microbenchmark, but no faster in the fused step of two 128-token prompts (SmolLM2 int4)
     const char* next = reinterpret_cast<const char*>(a0 + 2 * kBlock * K);
     constexpr int64_t kAhead = 2 * kBlock * kDepth * sizeof(at::BFloat16);  // bytes: what a step reads of a pair
     for (int64_t k = 0; k < K; k += kDepth) {
@@ -154,7 +180,9 @@ struct Bf16Tiles {
         if (cols1) _tile_dpbf16ps(7, 3, 1);
       }
     }
-    alignas(64) float c[kBlock * kBlock];  // [weight row][activation row]
+    // [weight row][activation row]: y's rows are its columns (transposed in registers, 16 x 16 with shuffles, instead
+    // of these scalar moves: the fused step of two 128-token prompts ~7 % slower)
+    alignas(64) float c[kBlock * kBlock];
     auto store = [&](int64_t block, int64_t first, int64_t cols) {
       for (int64_t m = 0; m < cols; ++m) {  // a row of y at a time (16 values, a cache line): rows of y a multiple of
         Y* out = y + (first + m) * N + block * kBlock;  // 4 KiB apart (the LM head's) share L1's sets, 16 > its ways
