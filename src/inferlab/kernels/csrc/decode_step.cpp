@@ -143,10 +143,7 @@ class DecodePlan : public torch::CustomClassHolder {
     std::vector<float> normed(B * dim_), qkv(B * qkv_width), q(B * H_ * D_), k(B * H_kv_ * D_), v(B * H_kv_ * D_),
         attended(B * H_ * D_), projected(B * dim_), gate_up(B * 2 * hidden), gated(B * hidden);
     const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
-    auto normalize = [&](const Floats& weight) {
-      std::copy(h, h + B * dim_, normed.begin());
-      inferlab::rms_normalize(normed.data(), B, dim_, weight.data(), eps_);
-    };
+    auto normalize = [&](const Floats& weight) { inferlab::rms_normalize(h, normed.data(), B, dim_, weight.data(), eps_); };
     for (int64_t i = 0; i < static_cast<int64_t>(layers_.size()); ++i) {
       const Layer& layer = layers_[i];
       {
@@ -191,7 +188,7 @@ class DecodePlan : public torch::CustomClassHolder {
     const int64_t R = static_cast<int64_t>(logit_rows.size());
     normed.resize(std::max(B, R) * dim_);  // a row may be asked for twice
     for (int64_t r = 0; r < R; ++r) std::copy(h + logit_rows[r] * dim_, h + (logit_rows[r] + 1) * dim_, normed.begin() + r * dim_);
-    inferlab::rms_normalize(normed.data(), R, dim_, norm_.data(), eps_);
+    inferlab::rms_normalize(normed.data(), normed.data(), R, dim_, norm_.data(), eps_);
     at::Tensor logits = at::empty({R, output_.N}, x.options());
     if (R == 0) return logits;
     if (x.scalar_type() == at::kBFloat16) {

@@ -28,7 +28,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
   std::vector<float> gated_x(gated ? M * K : 0);                // silu(gate) * up, rows of K
   if (gated) inferlab::swiglu(xf.data(), M, K, gated_x.data());
   float* writable = gated ? gated_x.data() : norm_weight ? xf.mutable_data() : nullptr;
-  if (norm_weight) inferlab::rms_normalize(writable, M, K, Floats(*norm_weight, false).data(), eps);
+  if (norm_weight) inferlab::rms_normalize(writable, writable, M, K, Floats(*norm_weight, false).data(), eps);
   const float* prepared = gated ? gated_x.data() : xf.data();
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;  // (..., N)
