@@ -127,6 +127,29 @@ def test_collect_keeps_one_line_per_row_and_jobs_without_rows(outputs: Path):
     assert frame[frame.study == "quant_tradeoff"].precision.tolist() == ["int8"]
 
 
+def test_a_rerun_elsewhere_replaces_only_what_it_measured_again(outputs: Path, tmp_path: Path):
+    """The committed CSV stands for the result.json files of the machine that measured them: on a fresh clone,
+    rerunning one configuration replaces its rows and keeps every other's, and a stale result.json loses."""
+    first = build(outputs, outputs / "report", tmp_path / "REPORT.md")
+    committed = pd.read_csv(outputs / "report" / "results.csv")
+    clone = tmp_path / "clone" / "outputs"
+    (clone / "report").mkdir(parents=True)
+    (clone / "report" / "results.csv").write_bytes((outputs / "report" / "results.csv").read_bytes())
+    newer, older = "2026-02-01T00:00:00+00:00", "2025-06-01T00:00:00+00:00"
+    write(
+        clone, "peers/0", "peers", ["precision=fp32"], [{"engine": "inferlab", "decode_tok_s": 77.0}], timestamp=newer
+    )
+    write(clone, "kv/1", "kv_speedup", ["cache=contiguous"], [{"context_len": 4, "decode_tok_s": 1.0}], timestamp=older)
+    for _ in range(2):  # a second build reads its own CSV back: the same rows, none twice
+        report = build(clone, clone / "report", tmp_path / "CLONE.md").read_text()
+        frame = pd.read_csv(clone / "report" / "results.csv")
+        assert frame[frame.study == "peers"].decode_tok_s.tolist() == [77.0]
+        kept = frame[frame.study != "peers"].drop(columns="job").reset_index(drop=True)
+        expected = committed[committed.study != "peers"].drop(columns="job").reset_index(drop=True)
+        pd.testing.assert_frame_equal(kept[expected.columns], expected, check_dtype=False)
+    assert "4 of them read back from that CSV" in report and "read back" not in first.read_text()
+
+
 def notebook_images(outputs: Path, monkeypatch, timeout: int) -> list[dict]:
     """Run the report notebook on `outputs`; the PNG outputs of its cells."""
     monkeypatch.setenv("INFERLAB_OUTPUTS", str(outputs))

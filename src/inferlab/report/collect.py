@@ -1,12 +1,15 @@
 """result.json files -> one pandas DataFrame, one line per result row, with the job's choices beside it.
 
 Re-running a job adds a newer result.json; only the newest result per (study, overrides) is kept, so the
-report always shows the latest measurement of each configuration.
+report always shows the latest measurement of each configuration. The result.json files stay on the machine that
+measured them; the CSV the report was built from is committed, so on another machine (a fresh clone) its rows
+stand for every configuration not measured again there, and rerunning one study replaces only that study's rows.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,7 @@ META = (
     "gpu",
     "torch_threads",
     "job",
+    "overrides",
 )
 IGNORED_OVERRIDES = ("results_root", "hydra.")
 
@@ -68,8 +72,22 @@ def to_frame(results: list[dict[str, Any]]) -> pd.DataFrame:
     return frame[first + [c for c in frame.columns if c not in first]]
 
 
-def collect(root: Path) -> pd.DataFrame:
-    return to_frame(latest(load_results(root)))
+def collect(root: Path, previous: Path | None = None) -> pd.DataFrame:
+    """The newest result per (study, overrides) under root, beside the rows of `previous` (the CSV an earlier collect
+    wrote, where it exists) of every configuration that root holds no newer result of."""
+    fresh = to_frame(latest(load_results(root)))
+    if previous is None or not Path(previous).is_file():
+        return fresh
+    earlier = pd.read_csv(previous, converters={"overrides": str})  # no overrides: "", not NaN
+    if "overrides" not in earlier:
+        print(f"{previous} predates the overrides column: its rows are not carried over", file=sys.stderr)
+        return fresh
+    if fresh.empty:
+        return earlier
+    both = pd.concat([earlier.assign(_fresh="0"), fresh.assign(_fresh="1")], ignore_index=True)
+    key = both.study + " " + both.overrides
+    rank = both.timestamp.fillna("") + both._fresh  # the newest; of the same job, the result.json's own rows
+    return both[rank == rank.groupby(key).transform("max")].drop(columns="_fresh").reset_index(drop=True)
 
 
 def _meta(result: dict[str, Any]) -> dict[str, Any]:
@@ -88,6 +106,7 @@ def _meta(result: dict[str, Any]) -> dict[str, Any]:
         "gpu": env.get("gpu"),
         "torch_threads": env.get("torch_threads"),
         "job": result["job"],
+        "overrides": " ".join(job_key(result)[1]),
     }
     for override in result["overrides"]:  # an unavailable value's group, e.g. precision=int8
         key, _, value = override.partition("=")
