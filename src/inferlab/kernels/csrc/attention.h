@@ -62,36 +62,53 @@ struct KvPool {
     return data + table[l / block_size] * block_stride + h * head_stride + (l % block_size) * row_stride;
   }
 
-  // Head h's first n rows of block `block` requested into L1 (with an int8 pool's scales of them): a sequence's
-  // blocks lie wherever the allocator put them, so the hardware prefetchers, which follow strides within a page, meet
-  // each block cold. SmolLM2's 30 layers, 16 sequences at position 160 in scattered bf16 blocks (the engine's pool,
-  // other work between steps), AMX Xeon, 2 threads, four rounds of each in turns: 5.4-6.0 ms without these, 4.1-4.5
-  // with (one sequence: 0.65 either way); two blocks ahead measured the same as one.
+  // Head h's first n rows of block `block` requested into L1 (with an int8 pool's scales of them), all at once: a
+  // sequence's blocks lie wherever the allocator put them, so the hardware prefetchers, which follow strides within a
+  // page, meet each block cold. SmolLM2's 30 layers, 16 sequences at position 160 in scattered bf16 blocks (the
+  // engine's pool, other work between steps), AMX Xeon, 2 threads, four rounds of each in turns: 5.4-6.0 ms without
+  // these, 4.1-4.5 with (one sequence: 0.65 either way); two blocks ahead measured the same as one.
   void prefetch(int64_t block, int64_t h, int64_t n) const {
-    const char* first = reinterpret_cast<const char*>(data + block * block_stride + h * head_stride);
+    const char* first = base(block, h);
     const int64_t bytes = n * row_stride * static_cast<int64_t>(sizeof(T));
     for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(first + offset, _MM_HINT_T0);
-    if constexpr (kInt8) {
-      _mm_prefetch(reinterpret_cast<const char*>(scales + block * scale_block_stride + h * scale_head_stride), _MM_HINT_T0);
-    }
+    prefetch_scales(block, h);
   }
 
-  // f(start, rows, n, row_scales) for the blocks of head h's positions 0..L-1 in order: positions start..start+n-1
-  // are the rows from `rows` on, row_stride apart; an int8 pool's scales of them from row_scales on,
-  // scale_row_stride apart (else null). Each next block is prefetched while f reads this one, and `also`'s (a pool
-  // read next through the same table: the values of the keys read here) block beside it
+  // Rows of head h in two blocks requested a row at a time, as f reads the rows of a third: `next`, this pool's block
+  // after the one read (null at the last), and `beside`, the block read of `also` (null without), another pool read
+  // next through the same table (the values of the keys read). Prefetching a whole block at once stalls on the core's
+  // few line-fill buffers (perf put ~80 % of the key pass's samples on its prefetches); a row's lines as each row is
+  // read spread the same requests over the block's work. SmolLM2's 30 layers on the AMX Xeon, 2 threads, the fused
+  // decode step of 16 sequences at 600-630 positions, three rounds in alternating processes: 21.6-22.1 ms against
+  // 24.0-25.6 a block at once, 25.3-27.6 with no prefetching (hardware prefetchers alone: the same at 128-token blocks);
+  // at 160 positions, and one sequence, the same as before. Prefetching into L2 (T1, T2) instead: the same.
+  struct Ahead {
+    const char *next, *beside;
+    int64_t row_bytes;
+    void row(int64_t r) const {
+      for (int64_t offset = r * row_bytes, end = offset + row_bytes; offset < end; offset += 64) {
+        if (next) _mm_prefetch(next + offset, _MM_HINT_T0);
+        if (beside) _mm_prefetch(beside + offset, _MM_HINT_T0);
+      }
+    }
+  };
+
+  // f(start, rows, n, row_scales, ahead) for the blocks of head h's positions 0..L-1 in order: positions
+  // start..start+n-1 are the rows from `rows` on, row_stride apart; an int8 pool's scales of them from row_scales on,
+  // scale_row_stride apart (else null); ahead.row(r), called by f as it reads row r, requests the next block's row r
+  // and that of `also`'s block beside this one (Ahead). The first block is requested at once.
   template <typename F>
   void for_each_block(const int64_t* table, int64_t h, int64_t L, F&& f, const KvPool* also = nullptr) const {
-    auto ahead = [&](int64_t j) {  // block j, where the positions reach it
-      if (j * block_size < L) prefetch(table[j], h, std::min(block_size, L - j * block_size));
-    };
-    ahead(0);
+    prefetch(table[0], h, std::min(block_size, L));
     for (int64_t start = 0, j = 0; start < L; start += block_size, ++j) {
       const int64_t n = std::min(block_size, L - start);
-      ahead(j + 1);
-      if (also) also->prefetch(table[j], h, n);
+      const bool more = start + block_size < L;
+      if (more) prefetch_scales(table[j + 1], h);
+      if (also) also->prefetch_scales(table[j], h);
+      const Ahead ahead{more ? base(table[j + 1], h) : nullptr, also ? also->base(table[j], h) : nullptr,
+                        row_stride * static_cast<int64_t>(sizeof(T))};
       const float* row_scales = kInt8 ? scales + table[j] * scale_block_stride + h * scale_head_stride : nullptr;
-      f(start, data + table[j] * block_stride + h * head_stride, n, row_scales);
+      f(start, data + table[j] * block_stride + h * head_stride, n, row_scales, ahead);
     }
   }
 
@@ -99,8 +116,11 @@ struct KvPool {
   // stored values are multiplied by: its own for int8 codes, else 1
   template <typename F>
   void for_each_row(const int64_t* table, int64_t h, int64_t L, F&& f) const {
-    for_each_block(table, h, L, [&](int64_t start, const T* row, int64_t n, const float* row_scales) {
-      for (int64_t r = 0; r < n; ++r, row += row_stride) f(start + r, row, kInt8 ? row_scales[r * scale_row_stride] : 1.0f);
+    for_each_block(table, h, L, [&](int64_t start, const T* row, int64_t n, const float* row_scales, const Ahead& ahead) {
+      for (int64_t r = 0; r < n; ++r, row += row_stride) {
+        ahead.row(r);
+        f(start + r, row, kInt8 ? row_scales[r * scale_row_stride] : 1.0f);
+      }
     });
   }
 
@@ -119,6 +139,16 @@ struct KvPool {
   }
 
  private:
+  const char* base(int64_t block, int64_t h) const {
+    return reinterpret_cast<const char*>(data + block * block_stride + h * head_stride);
+  }
+
+  void prefetch_scales(int64_t block, int64_t h) const {
+    if constexpr (kInt8) {
+      _mm_prefetch(reinterpret_cast<const char*>(scales + block * scale_block_stride + h * scale_head_stride), _MM_HINT_T0);
+    }
+  }
+
   // the scales' (block, head, row) strides are those of dims first.. of `t`, starting `offset` floats in
   void set_scales(const at::Tensor& t, int64_t first, int64_t offset) {
     scales = t.data_ptr<float>() + offset;
@@ -194,7 +224,7 @@ void with_heads(int64_t n, const F& f) {
 // the AMX tiles: a row's keys as A tiles straight from their blocks, its heads' bf16 query pairs as B, the values
 // interleaved by key pairs into B tiles: 30 layers, 16 sequences at position 160 7.0 vs 7.1 ms, at 600 33.6 vs 33.6,
 // with the keys in cache (16 sequences at 64) 1.26x slower. At serving's lengths the loop waits on the keys' and
-// values' bytes from memory, prefetched a block ahead.)
+// values' bytes from memory, requested a block ahead a row at a time: KvPool::Ahead.)
 template <typename S, int V_, int GT, typename T>
 void score_heads(const float* q, const KvPool<T>& keys, const KvPool<T>& values, const int64_t* table, int64_t h,
                  int64_t L, int64_t D, float scale, float* p, float* max_score) {
@@ -206,7 +236,8 @@ void score_heads(const float* q, const KvPool<T>& keys, const KvPool<T>& values,
     top[g] = S::set1(-std::numeric_limits<float>::infinity());
     tail_top[g] = -std::numeric_limits<float>::infinity();
   }
-  keys.for_each_block(table, h, L, [&](int64_t start, const T* rows, int64_t n, const float* row_scales) {
+  using Ahead = typename KvPool<T>::Ahead;
+  keys.for_each_block(table, h, L, [&](int64_t start, const T* rows, int64_t n, const float* row_scales, const Ahead& ahead) {
     for (int64_t r0 = 0; r0 < n; r0 += S::N) {
       const int m = static_cast<int>(std::min<int64_t>(S::N, n - r0));
       typename S::V dots[GT][S::N];  // [g][i]: key r0 + i times query head g, lane by lane
@@ -215,6 +246,7 @@ void score_heads(const float* q, const KvPool<T>& keys, const KvPool<T>& values,
           for (int g = 0; g < GT; ++g) dots[g][i] = S::zero();
           continue;
         }
+        ahead.row(r0 + i);
         const T* key = rows + (r0 + i) * keys.row_stride;
         typename S::V k[V_ ? V_ : kMaxV];
         for (int64_t j = 0; j < V; ++j) k[j] = S::load(key + S::N * j);
