@@ -359,14 +359,16 @@ struct Int8Tiles {
 // weights dequantized in cache, q * scale + min in fp32 rounded to bf16, which is what a layer's bf16 copy holds
 // (quant/int4.py's dequantize_groups_int4 multiplies, then adds; here one fused multiply-add, the same floats: a 4-bit
 // code times an fp16 scale is exact in fp32, so only the add rounds either way; the 16-row fused decode step 0.94x the
-// time, SmolLM2 int4, three rounds in alternating processes); the activations
+// time, SmolLM2 int4, three rounds in alternating processes; each code's nibble picked out by a byte shuffle of the
+// masked low or high nibbles instead of a shift and a mask: 30 layers' products at 16 rows 0.94x the time, 32 and 48
+// the same, bench/kernel_ab.py in turns); the activations
 // rounded to bf16. The block's weights become B tiles of column pairs with a lane per weight row, as the int4 tiles
 // already hold them (a byte of a row's 4-byte chunk value is a pair of columns: no transpose), the activations A
 // tiles of 16 rows, C = activation rows x the block's 16 weight rows, summed in fp32 over the whole of K by the tiles'
 // bf16 dot (TDPBF16PS): the same floats as Bf16Tiles over the copy (the products of a pair and their order over K
 // are the same with A and B swapped). Two blocks at a time, each pair of B tiles loaded once for up to 32 activation
 // rows, and the next pair dequantized a k step at a time between this pair's tile dots (the vector units and the
-// tile unit at work together: 1.07-1.20x as fast as one after the other, 16-48 rows). The dequantizing costs ~11
+// tile unit at work together: 1.07-1.20x as fast as one after the other, 16-48 rows). The dequantizing costs ~10
 // instructions per 32 weights whatever the rows; the int4 kernel's multiply-adds grow with them. SmolLM2's int4
 // projections (30 layers, 2 threads, AMX Xeon), the int4 kernel / the bf16 copy on Bf16Tiles / this (one after the
 // other), ms: 8 rows 6.4 / 9.9 / 6.4, 12 9.0 / 10.5 / 8.3, 16 11.1 / 10.8 / 9.1, 24 16.1 / 12.3 / 10.8, 32 20.5 /
@@ -498,16 +500,28 @@ struct Int4DequantTiles {
     const uint16_t* halves = reinterpret_cast<const uint16_t*>(t + chunks * kBlock);
     alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i interleave = _mm512_load_si512(order), nibble = _mm512_set1_epi32(0xF);
+    const __m512i interleave = _mm512_load_si512(order), nibbles = _mm512_set1_epi8(0xF);
+    struct ByteControls {  // VPSHUFB's, picking byte p of each 4-byte value, zero-extended: in each 16-byte lane value
+      alignas(64) uint32_t of[4][16];  // j's byte p is byte 4 j + p (0x80: a zero)
+      constexpr ByteControls() : of{} {
+        for (uint32_t p = 0; p < 4; ++p) {
+          for (uint32_t j = 0; j < 16; ++j) of[p][j] = 0x80808000u | (4 * (j % 4) + p);
+        }
+      }
+    };
+    static constexpr ByteControls controls;
+    const __m512i byte[4] = {_mm512_load_si512(controls.of[0]), _mm512_load_si512(controls.of[1]),
+                             _mm512_load_si512(controls.of[2]), _mm512_load_si512(controls.of[3])};
     const int64_t g = s * kDepth / group;
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + 2 * g * kBlock)));
     const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + (2 * g + 1) * kBlock)));
     for (int64_t c = s * 4; c < s * 4 + 4; ++c) {
       _mm_prefetch(reinterpret_cast<const char*>(t + c * kBlock) + 32 * 1024, _MM_HINT_T1);
       const __m512i bytes = _mm512_loadu_si512(t + c * kBlock);
+      const __m512i lows = _mm512_and_si512(bytes, nibbles), highs = _mm512_and_si512(_mm512_srli_epi32(bytes, 4), nibbles);
       for (int p = 0; p < 4; ++p) {
-        const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * p), nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * p + 4), nibble);
+        const __m512i lo = _mm512_shuffle_epi8(lows, byte[p]);
+        const __m512i hi = _mm512_shuffle_epi8(highs, byte[p]);
         const __m512 lo_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), scale, min);
         const __m512 hi_w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), scale, min);
         const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi_w, lo_w));  // lo 0..15, hi 0..15
