@@ -21,14 +21,16 @@ over one if every step ran at the pace of the memory its working set lives in.""
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from omegaconf import DictConfig
 from torch import Tensor
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from inferlab.api import engine_from_config
 from inferlab.bench.studies import Rows, StudyUnavailable, register
@@ -165,15 +167,36 @@ def timed_steps(decodings: dict[int, Decoding], warmup: int, steps: int) -> dict
     return {batch: 1e3 * statistics.median(t) for batch, t in times.items()}
 
 
+STEP_RANGE = "profile: step"  # each profiled step's range, which per_step_ms sorts the operators' times by
+
+
 def profiled(decoding: Decoding, steps: int) -> profile:
-    """torch.profiler over `steps` steps of `decoding`, after RUN_SETTLE untimed ones."""
+    """torch.profiler over `steps` steps of `decoding`, each in a STEP_RANGE, after RUN_SETTLE untimed ones."""
     for _ in range(RUN_SETTLE):
         decoding.step()
     on_cuda = decoding.engine.config.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])) as prof:
         for _ in range(steps):
-            decoding.step()
+            with record_function(STEP_RANGE):
+                decoding.step()
     return prof
+
+
+def per_step_ms(prof: profile, attr: str) -> tuple[dict[str, list[float]], Counter[str]]:
+    """Each operator's self time (`attr`, microseconds) in each profiled step, as ms (0 in a step it did not run in),
+    and its calls over all of them."""
+    events = list(prof.events())
+    steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == STEP_RANGE)
+    starts = [start for start, _ in steps]
+    times: dict[str, list[float]] = {}
+    calls: Counter[str] = Counter()
+    for e in events:
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        if e.name == STEP_RANGE or i < 0 or e.time_range.start > steps[i][1]:
+            continue
+        times.setdefault(e.key, [0.0] * len(steps))[i] += getattr(e, attr) / 1e3
+        calls[e.key] += 1
+    return times, calls
 
 
 def memory_floor(cfg: DictConfig, engine: InferenceEngine, batch: int) -> dict[str, float]:
@@ -194,30 +217,31 @@ def memory_floor(cfg: DictConfig, engine: InferenceEngine, batch: int) -> dict[s
 
 
 def profile_rows(cfg: DictConfig, engine: InferenceEngine, prof: profile, steps: int, working_set_gb_s: float) -> Rows:
-    """The `study.top_ops` operators by self time, each with its ms per step (and, for the fused step's phases, the
-    rate at which it streamed its weights, and that as a share of `working_set_gb_s`, the read bandwidth of the
-    step's working set); the memory's bandwidth probed now beside them."""
+    """The `study.top_ops` operators by self time, each with its ms per step, the median over the profiled steps (a
+    burst of other load on a shared machine lands in a few of them: their sum over the steps put the attention of
+    SmolLM2 int8's 16-sequence step at 3.3 to 7.9 ms in three runs of a 12 ms step), and for the fused step's phases
+    the rate at which it streamed its weights, and that as a share of `working_set_gb_s`, the read bandwidth of the
+    step's working set; the memory's bandwidth probed now beside them."""
     bandwidth = read_bandwidth_gb_s(int(cfg.measure.bandwidth_mb), engine.config.device)
     weight_bytes = phase_weight_bytes(engine.model)
     on_cuda = engine.config.device.type == "cuda"
-    attr = "self_device_time_total" if on_cuda else "self_cpu_time_total"  # microseconds
-    events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
-    total = sum(getattr(e, attr) for e in events)
-    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    times, calls = per_step_ms(prof, "self_device_time_total" if on_cuda else "self_cpu_time_total")
+    ms = {op: statistics.median(t) for op, t in times.items() if sum(t) > 0}
+    total = sum(ms.values())
     rows = []
-    for e in events[: int(cfg.study.top_ops)]:
-        seconds_per_step = getattr(e, attr) / 1e6 / steps
+    for op in sorted(ms, key=ms.__getitem__, reverse=True)[: int(cfg.study.top_ops)]:
+        seconds_per_step = ms[op] / 1e3
         row = {
-            "op": e.key,
-            "share_pct": 100.0 * getattr(e, attr) / total,
-            "self_ms_per_step": seconds_per_step * 1e3,
-            "calls_per_step": e.count / steps,
+            "op": op,
+            "share_pct": 100.0 * ms[op] / total,
+            "self_ms_per_step": ms[op],
+            "calls_per_step": calls[op] / steps,
             "bandwidth_gb_s": bandwidth,
             "timer": "device" if on_cuda else "cpu",
             "torch_threads": torch.get_num_threads(),
         }
-        if e.key in weight_bytes:
-            row["weights_gb_s"] = weight_bytes[e.key] / seconds_per_step / 1e9
+        if op in weight_bytes:
+            row["weights_gb_s"] = weight_bytes[op] / seconds_per_step / 1e9
             row["pct_bandwidth"] = 100.0 * row["weights_gb_s"] / working_set_gb_s
         rows.append(row)
     return rows
