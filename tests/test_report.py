@@ -114,6 +114,8 @@ def test_report_is_built_from_the_csv(outputs: Path, tmp_path: Path):
     assert "![KV-cache speedup vs context length](outputs/report/kv_speedup.png)" in kv
     assert (report_dir / "kv_speedup.png").stat().st_size > 0 and (report_dir / "peers.png").is_file()
     assert "| fp32 " in text and "transformers" in text and "Test CPU" in text
+    hardware = text.split("## Hardware and software")[1].split("\n## ")[0]
+    assert "| studies " in hardware and "| kv_speedup, peers " in hardware  # which studies ran where (ok ones)
     quant = text.split("## Precision vs memory")[1].split("\n## ")[0]
     assert "Not available yet" in quant and "precision=int8 is not available yet" in quant
     assert "RuntimeError: boom" in text.split("## Batching")[1].split("\n## ")[0]

@@ -91,11 +91,13 @@ def _environment(frame: pd.DataFrame) -> str:
     ok = frame[frame.status == "ok"]
     if ok.empty:
         return "## Hardware and software\n\nNo study has run yet."
-    env = ok[[c for c in ENV_COLUMNS if c in ok]].drop_duplicates().rename(columns=ENV_COLUMNS)
+    columns = [c for c in ENV_COLUMNS if c in ok]
+    studies = ok.groupby(columns, dropna=False, sort=False).study.agg(lambda s: ", ".join(sorted(set(s))))
+    env = studies.reset_index().rename(columns={**ENV_COLUMNS, "study": "studies"})
     span = f"Measured between {ok.timestamp.min()} and {ok.timestamp.max()} (UTC)."
     return (
         f"## Hardware and software\n\n{_markdown(env)}\n\n{span} Per-job details (GPU, torch and Python "
-        f"versions, cores) are in each job's result.json under `env`."
+        f"versions, cores) are in each job's result.json under `env`, on the machine that ran it."
     )
 
 
