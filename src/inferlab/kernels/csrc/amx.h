@@ -359,9 +359,7 @@ struct Int8Tiles {
 // weights dequantized in cache, q * scale + min in fp32 rounded to bf16, which is what a layer's bf16 copy holds
 // (quant/int4.py's dequantize_groups_int4 multiplies, then adds; here one fused multiply-add, the same floats: a 4-bit
 // code times an fp16 scale is exact in fp32, so only the add rounds either way; the 16-row fused decode step 0.94x the
-// time, SmolLM2 int4, three rounds in alternating processes; each code's nibble picked out by a byte shuffle of the
-// masked low or high nibbles instead of a shift and a mask: 30 layers' products at 16 rows 0.94x the time, 32 and 48
-// the same, bench/kernel_ab.py in turns); the activations
+// time, SmolLM2 int4, three rounds in alternating processes); the activations
 // rounded to bf16. The block's weights become B tiles of column pairs with a lane per weight row, as the int4 tiles
 // already hold them (a byte of a row's 4-byte chunk value is a pair of columns: no transpose), the activations A
 // tiles of 16 rows, C = activation rows x the block's 16 weight rows, summed in fp32 over the whole of K by the tiles'
@@ -369,7 +367,9 @@ struct Int8Tiles {
 // are the same with A and B swapped). Two blocks at a time, each pair of B tiles loaded once for up to 32 activation
 // rows, and the next pair dequantized a k step at a time between this pair's tile dots (the vector units and the
 // tile unit at work together: 1.07-1.20x as fast as one after the other, 16-48 rows). The dequantizing costs ~10
-// instructions per 32 weights whatever the rows; the int4 kernel's multiply-adds grow with them. SmolLM2's int4
+// instructions per 32 weights whatever the rows (each code picked out of its 4-byte value by a byte shuffle of the
+// value's masked low or high nibbles, not a shift and a mask: 30 layers' products at 16 rows 0.94x the time, 32 and 48
+// the same, bench/kernel_ab.py in turns); the int4 kernel's multiply-adds grow with them. SmolLM2's int4
 // projections (30 layers, 2 threads, AMX Xeon), the int4 kernel / the bf16 copy on Bf16Tiles / this (one after the
 // other), ms: 8 rows 6.4 / 9.9 / 6.4, 12 9.0 / 10.5 / 8.3, 16 11.1 / 10.8 / 9.1, 24 16.1 / 12.3 / 10.8, 32 20.5 /
 // 12.9 / 11.4, 40 26.1 / 19.3 / 14.7, 48 35.3 / 22.0 / 20.9, 56 36.5 / 23.3 / 23.9, 64 40.7 / 21.8 / 26.5, 128 82 /
@@ -499,9 +499,9 @@ struct Int4DequantTiles {
 
  private:
   // k step s (columns 32 s .. 32 s + 31) of block blk's weights into bt: rows 16 s .. of the (K / 2, 16) column pairs,
-  // lane n = (w[n, 2p], w[n, 2p + 1]) as bf16. (Built and measured: each code picked by VPERMT2B (AVX-512 VBMI) from the masked
-  // nibbles straight into the order whose conversion two rows at a time is the tile row, sparing the final word
-  // permute: 30 layers' products at 16 rows 1.05x slower, bench/kernel_ab.py in turns.)
+  // lane n = (w[n, 2p], w[n, 2p + 1]) as bf16. (Built and measured: each code picked by VPERMT2B (AVX-512 VBMI)
+  // from the masked nibbles straight into the order whose conversion two rows at a time is the tile row, sparing
+  // the final word permute: 30 layers' products at 16 rows 1.05x slower, bench/kernel_ab.py in turns.)
   void dequantize_step(int64_t blk, int64_t s, uint32_t* bt) const {
     const int32_t* t = tiles + blk * (chunks + G) * kBlock;
     const uint16_t* halves = reinterpret_cast<const uint16_t*>(t + chunks * kBlock);
