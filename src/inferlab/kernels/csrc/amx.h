@@ -397,14 +397,15 @@ struct Int4DequantTiles {
     thread_local std::vector<uint16_t> buffer;
     buffer.resize(std::max<size_t>(buffer.size(), M * K));
     x = buffer.data();
-    // rows split across threads from 32 Ki values a thread on (serial, the other thread waited: SmolLM2's 30 layers'
-    // products at 30-56 rows 0.94-0.98x the time split, bench/kernel_ab.py in turns; fewer values: a fork's cost)
+    // rows split across threads beyond 32 Ki values (w2's K of 1536: from 22 rows; serial, the other thread waited:
+    // SmolLM2's 30 layers' products at 30-56 rows 0.94-0.98x the time split, bench/kernel_ab.py in turns; fewer
+    // values: a fork's cost)
     for_each_row(M, [&](int64_t m) {
       for (int64_t i = m * K; i < (m + 1) * K; i += 16) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + i),
                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + i))));
       }
-    }, std::max<int64_t>(kRowGrain, 32768 / K));
+    }, rows_holding(32768, K));
   }
 
   // y (M, N) = the products + bias (when given), pairs of blocks split evenly across torch's threads. (Built and

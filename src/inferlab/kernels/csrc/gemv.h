@@ -692,7 +692,7 @@ struct Int4Format {
 // Each row of x (M, K) -> that row of out (may be x) = x * rsqrt(mean(x^2) + eps) * norm_weight, in fp32: the RMSNorm
 // before the product. The squares are summed in double, in 16 sums a column apart (lanes of vectors: one chain of
 // scalar adds made the norm ~4 % of a 256-row fused step, one add's latency per column). Rows split across threads
-// only from kNormValues values a thread on: a step of 16 decodes normalized 16 x 576 values in ~2.5 us on one thread,
+// only beyond kNormValues values: a step of 16 decodes normalized 16 x 576 values in ~2.5 us on one thread,
 // ~4-10 us split in two (the fork and the join; SmolLM2 int4, AMX Xeon, a clock around the norm: 0.07-0.08 against
 // 0.13-0.31 ms a step of 30 layers); SwiGLU's 16 x 1536 (for_each_row's own grain) ran faster split (0.29 against
 // 0.35-0.43 ms)
@@ -712,7 +712,7 @@ inline void rms_normalize(const float* x, float* out, int64_t M, int64_t K, cons
     const float inv_rms = static_cast<float>(1.0 / std::sqrt(sum_sq / K + eps));
     float* normed = out + m * K;
     for (k = 0; k < K; ++k) normed[k] = row[k] * inv_rms * norm_weight[k];
-  }, std::max<int64_t>(kRowGrain, kNormValues / K));
+  }, rows_holding(kNormValues, K));
 }
 
 // Each row [gate, up] of x (M, 2K) -> silu(gate) * up, row m of out (M, K): the SwiGLU before w2

@@ -14,7 +14,7 @@ inline namespace INFERLAB_ISA {
 constexpr int64_t kTileBytes = 64 * 1024;  // weight rows a thread multiplies into every activation row before the next ones
 constexpr int64_t kGrain = 64;             // weight rows per thread at least
 
-// f(m) for each activation row m < M, rows split across torch's threads from 2 * grain rows on: the work around the
+// f(m) for each activation row m < M, rows split across torch's threads beyond `grain` rows: the work around the
 // products (norms, SwiGLU, activation codes) is per row, and a prompt chunk's rows are many (serial, preparing 16 rows
 // of SmolLM2's w2 took ~50 us beside a 200 us product on two threads)
 constexpr int64_t kRowGrain = 4;
@@ -24,6 +24,9 @@ void for_each_row(int64_t M, const F& f, int64_t grain = kRowGrain) {
     for (int64_t m = begin; m < end; ++m) f(m);
   });
 }
+
+// for_each_row's grain for rows of K values whose work is too light to split below `values` values in all
+inline int64_t rows_holding(int64_t values, int64_t K) { return std::max(kRowGrain, values / K); }
 
 // f(chunk, m) for every chunk of columns < chunks and activation row m < M, split across torch's threads by chunks,
 // `values` columns to a chunk: for a layout that interleaves the activation rows. The AMX tiles' activations (amx.h)
