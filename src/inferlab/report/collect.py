@@ -84,10 +84,11 @@ def collect(root: Path, previous: Path | None = None) -> pd.DataFrame:
         return fresh
     if fresh.empty:
         return earlier
-    both = pd.concat([earlier.assign(_fresh="0"), fresh.assign(_fresh="1")], ignore_index=True)
+    both = pd.concat([earlier, fresh], ignore_index=True)
     key = both.study + " " + both.overrides
-    rank = both.timestamp.fillna("") + both._fresh  # the newest; of the same job, the result.json's own rows
-    return both[rank == rank.groupby(key).transform("max")].drop(columns="_fresh").reset_index(drop=True)
+    from_fresh = pd.Series(both.index >= len(earlier), index=both.index).map({False: "0", True: "1"})
+    rank = both.timestamp.fillna("") + from_fresh  # the newest; of the same job, the result.json's own rows
+    return both[rank == rank.groupby(key).transform("max")].reset_index(drop=True)
 
 
 def _meta(result: dict[str, Any]) -> dict[str, Any]:
