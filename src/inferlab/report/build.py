@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from inferlab.cli import hydra_app
 from inferlab.paths import conf_dir
-from inferlab.report.collect import collect, load_results
+from inferlab.report.collect import carry_over, latest, load_results, to_frame
 from inferlab.report.plots import chart
 from inferlab.report.targets import target_table
 
@@ -66,10 +66,11 @@ def study_specs() -> list[dict[str, Any]]:
 def build(outputs: Path, report_dir: Path, report_file: Path) -> Path:
     report_dir.mkdir(parents=True, exist_ok=True)
     csv = report_dir / "results.csv"
-    collect(outputs, previous=csv).to_csv(csv, index=False)
+    results = load_results(outputs)
+    carry_over(to_frame(latest(results)), csv).to_csv(csv, index=False)  # collect(), the results read once
     frame = pd.read_csv(csv)  # the report shows what the CSV holds, nothing else
     rel = Path(_relative(report_dir, report_file.parent))
-    measured_here = {(r["job"], r["env"].get("timestamp")) for r in load_results(outputs)}
+    measured_here = {(r["job"], r["env"].get("timestamp")) for r in results}
     carried = len(set(zip(frame.job, frame.timestamp)) - measured_here)
     parts = [_header(frame, csv, report_file, carried), _environment(frame), _reproduce(frame)]
     parts += [_section(frame, spec, report_dir, rel) for spec in study_specs()]

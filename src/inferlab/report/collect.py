@@ -75,7 +75,12 @@ def to_frame(results: list[dict[str, Any]]) -> pd.DataFrame:
 def collect(root: Path, previous: Path | None = None) -> pd.DataFrame:
     """The newest result per (study, overrides) under root, beside the rows of `previous` (the CSV an earlier collect
     wrote, where it exists) of every configuration that root holds no newer result of."""
-    fresh = to_frame(latest(load_results(root)))
+    return carry_over(to_frame(latest(load_results(root))), previous)
+
+
+def carry_over(fresh: pd.DataFrame, previous: Path | None) -> pd.DataFrame:
+    """`fresh` (to_frame's rows) beside the rows of the CSV `previous` of every (study, overrides) it has no newer
+    rows of."""
     if previous is None or not Path(previous).is_file():
         return fresh
     earlier = pd.read_csv(previous, converters={"overrides": str})  # no overrides: "", not NaN
@@ -86,8 +91,8 @@ def collect(root: Path, previous: Path | None = None) -> pd.DataFrame:
         return earlier
     both = pd.concat([earlier, fresh], ignore_index=True)
     key = both.study + " " + both.overrides
-    from_fresh = pd.Series(both.index >= len(earlier), index=both.index).map({False: "0", True: "1"})
-    rank = both.timestamp.fillna("") + from_fresh  # the newest; of the same job, the result.json's own rows
+    # the newest; of the same job, the result.json's own rows (those after the CSV's)
+    rank = both.timestamp.fillna("") + (both.index >= len(earlier)).astype(int).astype(str)
     return both[rank == rank.groupby(key).transform("max")].reset_index(drop=True)
 
 
