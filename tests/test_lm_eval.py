@@ -21,7 +21,12 @@ def test_lm_eval_agrees_with_the_projects_own_perplexity(tmp_path):
     result = one_ok_result(tmp_path, "-m", "sweep=lm_eval", "size=smoke", "precision=fp32")
     rows = {row["task"]: row for row in result["rows"]}
     assert set(rows) == {"rolling", "next_line"}
-    for row in rows.values():  # the same windows and tokens on both sides: equal up to float rounding
-        assert abs(row["diff_pct"]) < 2 and row["lm_eval_ppl"] > 1 and row["tokens"] > 0
+    # The same windows and tokens on both sides, so equal up to float rounding: each token's log-probability is
+    # fp32 of ~10 nats (an ulp ~1e-6) computed by other kernels in another order (the server's batched windows,
+    # the study's own forwards), and the perplexities' ratio is exp of the mean difference, so a few ulps per
+    # token stay under 1e-5 relative. Windows one token apart (other context for some tokens) move even the tiny
+    # random model's by 0.2 %.
+    for row in rows.values():
+        assert abs(row["diff_pct"]) < 1e-3 and row["lm_eval_ppl"] > 1 and row["tokens"] > 0
     assert rows["rolling"]["tokens"] > rows["rolling"]["window"]  # several windows per document
     assert rows["rolling"]["own_ppl_own_windows"] > 1
