@@ -11,7 +11,15 @@ import numpy as np
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+GGUF_ARCH = {  # HF model_type -> general.architecture (llama.cpp converts Mistral as Llama, q/k rows interleaved)
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+}
 NORMS = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -106,6 +114,8 @@ def write_gguf(model, path: Path, vocab: dict) -> Path:
                 if arch == "llama" and dst in ("attn_q", "attn_k"):
                     w = permute(w, n_heads if dst == "attn_q" else c.num_key_value_heads)
                 tensors[g + dst + ".weight"] = w
+            if hf + src + ".bias" in state:  # Qwen2's q/k/v biases
+                tensors[g + dst + ".bias"] = state[hf + src + ".bias"]
     for name, array in tensors.items():
         writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
     return finish(writer, vocab, path)

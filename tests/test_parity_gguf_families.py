@@ -11,6 +11,8 @@ from inferlab.model.config import ModelConfig
 CASES = [
     "llama",
     "llama-tied-llama3-rope",
+    "mistral-head-dim",
+    "qwen2",  # q/k/v biases (reference_model makes them nonzero)
     "qwen3",
     "gemma2",
     "gemma3",

@@ -69,6 +69,8 @@ CASES = {
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(**SHAPE, rope_theta=1000000.0, tie_word_embeddings=True)),
     "qwen3": (Qwen3ForCausalLM, Qwen3Config(**SHAPE, tie_word_embeddings=False)),
     "mistral-sliding-window": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=8)),
+    # no window (v0.2 on), heads narrower than hidden / heads as Mistral Nemo's and Small's: q is 32 wide, not 64
+    "mistral-head-dim": (MistralForCausalLM, MistralConfig(**{**SHAPE, "head_dim": 8}, sliding_window=None)),
     "gemma2": (
         Gemma2ForCausalLM,
         Gemma2Config(
@@ -100,7 +102,8 @@ CASES = {
         ),
     ),
 }
-FUSED_DECODE = {"llama", "llama-tied-llama3-rope", "qwen2"}  # the C++ step runs exactly these layers
+# the C++ step runs exactly these layers
+FUSED_DECODE = {"llama", "llama-tied-llama3-rope", "mistral-head-dim", "qwen2"}
 
 
 def reference_model(case: str):
@@ -168,7 +171,7 @@ def test_config_declares_the_family(checkpoint):
     assert config.tie_embeddings == reference.config.tie_word_embeddings
     assert config.qk_norm == (case in ("qwen3", "gemma3"))
     assert config.sandwich_norms == case.startswith("gemma")
-    assert config.rotary_dim == (8 if case.startswith("phi3") else 16)
+    assert config.rotary_dim == (8 if case.startswith("phi3") else reference.config.head_dim)
     assert (config.window(0) is not None) == (
         case in ("mistral-sliding-window", "gemma2", "gemma3", "phi3-partial-rotary-longrope-short")
     )
