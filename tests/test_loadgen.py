@@ -27,18 +27,19 @@ def synthetic() -> list[RequestRecord]:
     # A: sent 0, tokens at 1, 2, 4 (end 4): TTFT 1, E2E 4, TPOT (4-1)/2 = 1.5, ITL 1, 2
     # B: sent 1, tokens at 3, 3.5 (end 4): TTFT 2, E2E 3, TPOT 1.0, ITL 0.5
     # C: sent 2, one token at 2.5: TTFT 0.5, E2E 0.5, no TPOT
-    # D: failed
+    # D: failed; E: failed at the server's deadline (504)
     return [
         RequestRecord(0.0, [1.0, 2.0, 4.0], 4.0, prompt_tokens=10),
         RequestRecord(1.0, [3.0, 3.5], 4.0, prompt_tokens=20),
         RequestRecord(2.0, [2.5], 2.5, prompt_tokens=30),
         RequestRecord(0.0, [], 1.0, prompt_tokens=40, error="HTTP 503"),
+        RequestRecord(0.0, [], 1.0, prompt_tokens=50, error="HTTP 504", timed_out=True),
     ]
 
 
 def test_metrics_match_vllm_definitions_on_a_known_timeline():
     m = summarize(synthetic(), duration_s=5.0, slo=SLO(ttft_ms=1500, tpot_ms=1200))
-    assert (m["completed"], m["failed"]) == (3, 1)
+    assert (m["completed"], m["failed"], m["timed_out"]) == (3, 2, 1)
     assert m["total_output_tokens"] == 6 and m["total_input_tokens"] == 60
     assert m["request_throughput"] == pytest.approx(3 / 5)
     assert m["output_throughput"] == pytest.approx(6 / 5)
@@ -59,8 +60,9 @@ def test_usage_overrides_the_chunk_count_and_errors_are_recorded():
     read_chunk({"choices": [{"text": "a"}]}, record)
     read_chunk({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}, record)
     assert len(record.chunk_times) == 1 and record.n_output == 3 and record.prompt_tokens == 7
+    assert not record.timed_out
     read_chunk({"error": {"code": "timeout", "message": "too slow"}}, record)
-    assert record.error == "too slow"
+    assert record.error == "too slow" and record.timed_out  # the server's deadline, after the first byte
 
 
 TOKENS_PER_REQUEST = 5
@@ -125,7 +127,7 @@ def test_http_target_records_refusals(fake_server):
             await target.aclose()
 
     (record,), _ = asyncio.run(go())
-    assert record.error.startswith("HTTP 404") and not record.success
+    assert record.error.startswith("HTTP 404") and not record.success and not record.timed_out
 
 
 def test_engine_target_streams_the_same_tokens_as_generate(tiny_tokenizer):

@@ -110,6 +110,7 @@ class HTTPTarget:
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")[:200]
                 record.error = f"HTTP {response.status_code}: {detail}"
+                record.timed_out = response.status_code == 504
                 return
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
@@ -131,6 +132,7 @@ def read_chunk(chunk: dict[str, Any], record: RequestRecord) -> None:
     if "error" in chunk:
         error = chunk["error"]
         record.error = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+        record.timed_out = isinstance(error, dict) and error.get("code") == "timeout"
         return
     if chunk.get("choices") or chunk.get("token_id") is not None:
         record.chunk_times.append(clock())

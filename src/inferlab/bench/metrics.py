@@ -25,6 +25,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     output_tokens: int | None = None  # from the server's usage; None = one token per chunk
     error: str | None = None
+    timed_out: bool = False  # the server's deadline ended it (HTTP 504, or an SSE error event with code "timeout")
 
     @property
     def success(self) -> bool:
@@ -79,6 +80,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO | None =
     metrics: dict[str, float] = {
         "completed": len(done),
         "failed": len(records) - len(done),
+        "timed_out": sum(r.timed_out for r in records),
         "duration_s": duration_s,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
