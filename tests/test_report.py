@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 
 import nbformat
 import pandas as pd
 import pytest
 from nbclient import NotebookClient
+from omegaconf import OmegaConf
 
+from inferlab.paths import conf_dir
 from inferlab.report.build import build
 from inferlab.report.collect import collect
 from inferlab.report.targets import target_table
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
+CONF = conf_dir()
 
 
 def write(
@@ -204,6 +208,59 @@ def test_readme_quotes_the_headline_sections_of_the_report(outputs: Path, tmp_pa
 
 
 COMMITTED_CSV = NOTEBOOK.parents[1] / "outputs" / "report" / "results.csv"
+README = NOTEBOOK.parents[1] / "README.md"
+REPORT = NOTEBOOK.parents[1] / "INFERENCE_BENCHMARK_REPORT.md"
+# What a measured figure typed into prose looks like: a ratio (1.9x), a rate, a time, a share, a divergence, a count
+# of tokens kept or tests passed, an approximate figure, a figure set against another, a torch build a run used.
+MEASURED = [
+    r"\d(\.\d+)?\s?x\b",
+    r"\d\s?(tok/s|tokens/s|tokens per second|[GM]B/s|GiB/s)",
+    r"\d\s?(ms|us|µs|s|seconds?|minutes?|hours?)\b",
+    r"\d\s?%",
+    r"\b(KL|cosine|perplexity|ppl)\s*(of\s*)?[<>=~]*\s*\d",
+    r"\b\d+ (of|out of) \d+\b",
+    r"\b\d+ (passed|failed|skipped)\b",
+    r"~\s?\d",
+    r"\b\d+(\.\d+)? (against|vs\.?|versus) \d",
+    r"\btorch \d",
+    r"\b(about|around|roughly) (a|an|one|two|half an?) (minute|second|hour)",
+    r"\b(half|twice|double|triple|a third of) the (decode |prefill )?(speed|throughput|time)\b",
+]
+
+
+def test_readme_states_no_measured_figure_outside_the_report_block():
+    """Every figure measured here lives in the block inferlab-report writes (from results.csv, with its hardware);
+    the prose around it states mechanisms, defaults and sizes by construction, and points to the report."""
+    from inferlab.report.build import README_END, README_START
+
+    text = README.read_text()
+    head, rest = text.split(README_START, 1)
+    outside = head + rest.split(README_END, 1)[1]
+    found = [
+        (m.group(0), line.strip()[:100])
+        for line in outside.splitlines()
+        for pattern in MEASURED
+        for m in re.finditer(pattern, line)
+    ]
+    assert found == []
+
+
+@pytest.mark.slow
+def test_the_committed_report_and_readme_block_regenerate_from_the_committed_csv(tmp_path: Path):
+    """What a fresh clone's `inferlab-report` writes from the committed CSV alone is the committed report (but for
+    its count of rows read back) and the README's block: every figure in either is a value of results.csv."""
+    from inferlab.report.build import README_END, README_START, embed_headline
+
+    (tmp_path / "outputs" / "report").mkdir(parents=True)
+    (tmp_path / "outputs" / "report" / "results.csv").write_bytes(COMMITTED_CSV.read_bytes())
+    report_file = build(tmp_path / "outputs", tmp_path / "outputs" / "report", tmp_path / REPORT.name)
+    regenerated, committed = (f.read_text().split("\n\n", 2)[2] for f in (report_file, REPORT))  # after the header
+    assert regenerated == committed, "rerun inferlab-report after changing a study's report config"
+    readme = tmp_path / "README.md"
+    readme.write_text(README.read_text())
+    embed_headline(readme, report_file, list(OmegaConf.load(CONF / "report.yaml").headline))
+    block = README.read_text().split(README_START, 1)[1].split(README_END, 1)[0]
+    assert readme.read_text().split(README_START, 1)[1].split(README_END, 1)[0] == block
 
 
 def test_every_study_has_a_chart():
