@@ -132,7 +132,7 @@ def test_a_mixed_step_of_decodes_and_prompt_chunks_equals_per_sequence_forwards(
     logit_rows = torch.tensor([rows_of[key] for key in wanted])
     cache = caches["mixed"]
     got = fused(tokens, cache.k, cache.v, torch.tensor([padded[s] for s, _ in order]), positions, logit_rows=logit_rows)
-    assert got.shape == (len(wanted), model.config.vocab_size) and got.dtype == dtype
+    assert got.shape == (len(wanted), model.config.vocab_size) and got.dtype == torch.float32  # whatever the dtype
     for (s, i), logits in zip(wanted, got):
         start = len(prompts[s])
         batch = FlatBatch.pack([Segment(feeds[s], start, tables[s].blocks, len(feeds[s]))], CPU)

@@ -139,4 +139,5 @@ class GemvLinear(nn.Module):
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
         if self.use_kernel and gemv_fits(x, self.in_features * (1 + gated)):
             return gemv(x, self.weight, None, self.bias, norm, gated)
-        return F.linear(prepared_input(x, norm, gated), self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(prepared_input(x, norm, gated), self.weight.to(x.dtype), bias)  # fp32 rows: an fp32 LM head

@@ -148,6 +148,30 @@ def linear_after_norm(linear: nn.Module, norm: RMSNorm, x: Tensor) -> Tensor:
     return linear(norm(x))
 
 
+def logits_fp32(output: nn.Module, norm: RMSNorm, x: Tensor) -> Tensor:
+    """The LM head's logits, computed and returned in fp32 whatever the model's dtype.
+
+    bf16's spacing near a logit of 25 is 0.125: rounded to it, a margin of 0.08 between the top two tokens becomes a
+    tie, and greedy decoding follows whichever comes first. Kernel layers take fp32 rows over any weight format; any
+    other head has its weight widened a slice of the vocabulary at a time, so a large vocabulary's widened copy
+    never exists whole.
+    """
+    x = x.float()
+    if getattr(output, "fuses_input", False):
+        return output(x, norm=norm)
+    x = norm(x)
+    weight, bias = output.weight, output.bias
+    logits = x.new_empty(*x.shape[:-1], weight.shape[0])
+    step = max(1, LOGIT_SLICE_VALUES // weight.shape[1])
+    for start in range(0, weight.shape[0], step):
+        part = slice(start, start + step)
+        logits[..., part] = F.linear(x, weight[part].float(), None if bias is None else bias[part].float())
+    return logits
+
+
+LOGIT_SLICE_VALUES = 1 << 23  # weights widened to fp32 at a time by logits_fp32 (32 MiB)
+
+
 def swiglu(gate_up: Tensor) -> Tensor:
     # gate_up: (..., 2 * hidden) = [gate, up] -> silu(gate) * up (..., hidden)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -282,7 +306,7 @@ class Transformer(nn.Module):
         last_only: bool = False,
         rows: Tensor | None = None,
     ) -> Tensor:
-        # tokens, positions: (B, T) -> logits (B, T, vocab), or (B, 1, vocab) with last_only, or (B, R, vocab)
+        # tokens, positions: (B, T) -> fp32 logits (B, T, vocab), or (B, 1, vocab) with last_only, or (B, R, vocab)
         # for `rows` (R,) indices into T: the LM head runs only where logits are wanted
         x = self.tok_embeddings(tokens)
         if self.config.embed_scale != 1.0:
@@ -297,6 +321,6 @@ class Transformer(nn.Module):
         elif rows is not None:
             x = x[:, rows]
             if not rows.numel():  # a prompt chunk before the last: no logits wanted, no LM head run
-                return x.new_empty(*x.shape[:2], self.config.vocab_size)
-        logits = linear_after_norm(self.output, self.norm, x)
+                return x.new_empty(*x.shape[:2], self.config.vocab_size, dtype=torch.float32)
+        logits = logits_fp32(self.output, self.norm, x)
         return softcap(logits, self.config.final_softcap) if self.config.final_softcap else logits

@@ -91,7 +91,7 @@ class DecodePlan : public torch::CustomClassHolder {
   // x (B, dim) the new tokens' embeddings; caches (n_layers, num_blocks, H_kv, block_size, D);
   // block_tables (B, n) int64; positions (B,) int64; int8 caches come with their scales (n_layers,
   // num_blocks, H_kv, block_size) fp32 (attention.h's KvPool); logit_rows (R,) int64, the rows whose logits
-  // are wanted (absent: all B; empty: none, only the k/v written) -> logits (R, vocab) in x's dtype. Every layer writes every row's
+  // are wanted (absent: all B; empty: none, only the k/v written) -> logits (R, vocab) fp32. Every layer writes every row's
   // k/v at its position before any row attends, and row b attends over its block table's positions up to
   // its own: rows of one sequence at consecutive positions are its causal forward.
   at::Tensor step(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables, at::Tensor positions,
@@ -189,13 +189,10 @@ class DecodePlan : public torch::CustomClassHolder {
     normed.resize(std::max(B, R) * dim_);  // a row may be asked for twice
     for (int64_t r = 0; r < R; ++r) std::copy(h + logit_rows[r] * dim_, h + (logit_rows[r] + 1) * dim_, normed.begin() + r * dim_);
     inferlab::rms_normalize(normed.data(), normed.data(), R, dim_, norm_.data(), eps_);
-    at::Tensor logits = at::empty({R, output_.N}, x.options());
-    if (R == 0) return logits;
-    if (x.scalar_type() == at::kBFloat16) {
-      output_(normed.data(), R, logits.data_ptr<at::BFloat16>());
-    } else {
-      output_(normed.data(), R, logits.data_ptr<float>());
-    }
+    // fp32 whatever the activations' dtype: bf16's spacing near a logit of 25 is 0.125, which turns a near-tie
+    // between the top two tokens into a tie, and greedy decoding then follows the wrong one
+    at::Tensor logits = at::empty({R, output_.N}, x.options().dtype(at::kFloat));
+    if (R > 0) output_(normed.data(), R, logits.data_ptr<float>());
     return logits;
   }
 
