@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from inferlab.bench.loadgen import HTTPTarget, LoadSpec, metrics_table, read_chunk, run_load
+from inferlab.bench.loadgen import HTTPTarget, LoadSpec, measure, metrics_table, read_chunk, run_load
 from inferlab.bench.metrics import SLO, RequestRecord, summarize
 from inferlab.bench.prompts import Prompt
 from inferlab.bench.targets import EngineTarget
@@ -128,6 +128,23 @@ def test_http_target_records_refusals(fake_server):
 
     (record,), _ = asyncio.run(go())
     assert record.error.startswith("HTTP 404") and not record.success and not record.timed_out
+
+
+class Refusing:
+    """A target that refuses every request, at its deadline (504) or not."""
+
+    def __init__(self, timed_out: bool) -> None:
+        self.timed_out = timed_out
+
+    async def send(self, prompt: Prompt, record: RequestRecord) -> None:
+        record.error, record.timed_out = ("HTTP 504" if self.timed_out else "HTTP 500"), self.timed_out
+
+
+def test_a_load_whose_every_request_met_the_deadline_is_a_result_any_other_failure_an_error():
+    metrics = measure(Refusing(timed_out=True), [Prompt([1], "a")] * 2, LoadSpec(concurrency=1))
+    assert (metrics["completed"], metrics["failed"], metrics["timed_out"], metrics["output_throughput"]) == (0, 2, 2, 0)
+    with pytest.raises(RuntimeError, match="every request failed"):
+        measure(Refusing(timed_out=False), [Prompt([1], "a")] * 2, LoadSpec(concurrency=1))
 
 
 def test_engine_target_streams_the_same_tokens_as_generate(tiny_tokenizer):
