@@ -23,7 +23,7 @@ needs_two = pytest.mark.skipif(
 @needs_two
 def test_a_small_step_runs_on_fewer_threads_of_this_thread_only():
     full, seen = torch.get_num_threads(), {}
-    policy = StepThreads(threads=1, max_rows=2)
+    policy = StepThreads(threads=1, max_rows=2).team()
     with policy.step(rows=2):
         seen["small"] = torch.get_num_threads()
         other = threading.Thread(target=lambda: seen.update(other=torch.get_num_threads()))
@@ -32,7 +32,7 @@ def test_a_small_step_runs_on_fewer_threads_of_this_thread_only():
     seen["after"] = torch.get_num_threads()
     with policy.step(rows=3):
         seen["large"] = torch.get_num_threads()
-    with StepThreads().step(rows=1):  # off
+    with StepThreads().team().step(rows=1):  # off
         seen["off"] = torch.get_num_threads()
     assert seen == {"small": 1, "other": full, "after": full, "large": full, "off": full}
 

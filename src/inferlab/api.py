@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
+from inferlab.engine.cpus import cpu_grant
 from inferlab.engine.engine import EngineConfig, InferenceEngine
 from inferlab.engine.kv_int8 import KV_INT8
 from inferlab.engine.paged import blocks_for_budget
@@ -126,9 +127,13 @@ def engine_from_config(cfg: DictConfig) -> InferenceEngine:
 
 def _build_engine(cfg: DictConfig) -> InferenceEngine:
     """Build the engine `cfg` describes; precision=auto in `cfg` becomes the precision it chose."""
-    if cfg.device.threads:
-        torch.set_num_threads(int(cfg.device.threads))
     device = resolve_device(cfg.device.name)
+    grant = cpu_grant()
+    # device.threads unset: a thread per CPU the process gets (torch alone counts the affinity mask, not a quota),
+    # fewer while other processes keep them busy (engine/threads.py)
+    threads = int(cfg.device.threads or grant.threads)
+    torch.set_num_threads(threads)
+    share = grant.cpus if device.type == "cpu" and not cfg.device.threads else ()
     if cfg.model.source == "path" and not cfg.model.path:
         raise ModelLoadError("model=local needs model.path=DIR or FILE.gguf")
     precision = resolve_precision(cfg)
@@ -181,7 +186,9 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
         kernels=cfg.device.kernels,
         kv_dtype=kv_dtype,
         int8_activations=int8_activations,
-        small_steps=StepThreads(cfg.device.small_step_threads or 0, cfg.device.small_step_rows or 0),
+        small_steps=StepThreads(cfg.device.small_step_threads or 0, cfg.device.small_step_rows or 0, share),
+        threads=threads,
+        cpus=grant,
     )
     engine = InferenceEngine(loaded, config, speculation)
     if int8_activations and engine.fused is None:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
 from inferlab.engine.block_manager import BlockManager
+from inferlab.engine.cpus import CpuGrant
 from inferlab.engine.draft_pool import loop_drafts
 from inferlab.engine.kv_cache import KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.loop import EngineLoop, FaultHook
@@ -63,7 +64,9 @@ class EngineConfig:
     precision: str = ""  # the precision served and, for precision=auto, why (the startup line)
     kv_dtype: torch.dtype | None = None  # paged: the KV pool's element type; None = dtype, torch.int8 = codes + scales
     int8_activations: bool = False  # the fused step's int4 products take int8 codes per block (precision.activations)
-    small_steps: StepThreads = StepThreads()  # the engine loop's intra-op threads for steps of a few rows
+    small_steps: StepThreads = StepThreads()  # the engine loop's intra-op threads per step (engine/threads.py)
+    threads: int = 0  # a step's intra-op threads at most (device.threads, else the grant's); 0 = torch's count
+    cpus: CpuGrant | None = None  # what the OS grants the process (the startup line)
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -129,7 +132,7 @@ class InferenceEngine:
         self._lock = threading.Lock()  # one forward at a time: the model and the KV memory have one owner
         if self.blocks is not None:
             self.loop = EngineLoop(self.model, self.paged, self.blocks, config.scheduler, self.fused, self._lock)
-            self.loop.threads = config.small_steps
+            self.loop.threads = config.small_steps.team()
             weakref.finalize(self, self.loop.stop)  # an engine dropped without close(): its loop thread ends too
         self.scheduler: Scheduler | None = self.loop.scheduler if self.loop else None
         self.speculation = speculation  # spec=ngram|draft|self: drafted and verified, in the loop where it runs
@@ -425,6 +428,11 @@ class InferenceEngine:
             parts.append(f"{c.slots} KV slots of {c.max_seq_len} tokens ({self.kv_cache.nbytes / 2**20:.0f} MiB)")
         if self.scheduler is not None:
             parts.append(f"up to {c.scheduler.max_running} running sequences")
+        if c.device.type == "cpu":
+            share = ", fewer while other processes keep those busy" if c.small_steps.share and self.loop else ""
+            grant = f" ({c.cpus.describe()}{share})" if c.cpus else ""
+            threads = c.threads or torch.get_num_threads()
+            parts.append(f"{threads} thread{'s' * (threads != 1)}{grant}")
         if self.speculation is not None:
             s = self.speculation
             parts.append(

@@ -31,7 +31,7 @@ from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.engine.spec_batch import LoopSpeculation
 from inferlab.engine.step_stats import StepStats
-from inferlab.engine.threads import StepThreads
+from inferlab.engine.threads import StepTeam, StepThreads
 from inferlab.errors import EngineFailedError, GenerationError
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer
@@ -73,7 +73,7 @@ class EngineLoop:
         self._wake = threading.Condition()  # the loop sleeps on it while there is nothing to do
         self._thread: threading.Thread | None = None
         self._stopping = False  # stop(): the loop returns after its current step
-        self.threads = StepThreads()  # fewer intra-op threads for steps of a few rows (off until set)
+        self.threads: StepTeam = StepThreads().team()  # each step's intra-op team (engine/threads.py)
         self.stats = StepStats()  # where the steps' time goes (engine/step_stats.py)
         self._decode_step: tuple[int, int, float] | None = None  # a step of decodes alone: decodes, tokens, start
 
@@ -171,7 +171,7 @@ class EngineLoop:
             weighed = self.speculation is not None and not batch.prefills  # decodes alone: what adaptive K weighs
             generated = sum(len(r.output_ids) for r in batch.decodes) if weighed else 0
             start = time.perf_counter()
-            with self.threads.step(rows):  # the forward and the sampling; a step of a few rows on fewer threads
+            with self.threads.step(rows):  # the forward and the sampling, on the threads the CPUs hold
                 self._run(work, drafts)
             if batch.prefills:
                 self.stats.prompt_steps += 1

@@ -1,12 +1,14 @@
-"""How many intra-op threads one engine step uses: fewer for a step of a few token rows.
+"""How many intra-op threads one engine step uses: as many as the CPUs the process gets, fewer for a step of a few
+token rows or while other processes keep those CPUs busy.
 
-A decode step of one or two sequences is a few hundred short parallel regions; with as many torch
-threads as cores, anything else that wakes (the HTTP event loop sending a token, a client on the same
-machine) takes a core from one of them and every region waits for the straggler. Measured with
-inferlab-serve on 2 cores at c=1: TPOT 8.5-9.4 ms on one thread vs 11-19 ms on two; at c=16 two threads
-are faster (one gives 0.84x the tok/s). So steps of at most `max_rows` rows run on `threads` threads,
-the others on all of them. Results do not change: the kernels split output features across threads,
-never a sum.
+A step is a few hundred short parallel regions, and each region's barrier waits for the last member of the team.
+When something else holds a CPU that a member needs (another process, the HTTP event loop sending a token), the
+scheduler parks that member for a time slice, and every region pays for it: inferlab-serve on 2 cores with one
+CPU-bound neighbor fell from 0.37 s to a 504 after 30 s for 64 tokens on two threads, while one thread lost 20 %.
+So the team is fitted to the CPUs: at load to the affinity mask and the cgroup's CPU quota (engine/cpus.py), and,
+where the team size is not set by hand, every SHARE_CHECK_S in the loop to the CPUs others leave free. Steps of at
+most `max_rows` rows may run on fewer still (`threads`): a lone decode gains nothing from a second thread that the
+event loop competes for. Results do not change: the kernels split output features across threads, never a sum.
 
 The count is set for the calling thread only, in the OpenMP runtime torch loaded (`omp_set_num_threads`,
 0.3 us); `torch.set_num_threads` would also rebuild torch's thread pools and clear oneDNN's caches
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,24 +32,58 @@ from typing import TypeVar
 
 import torch
 
+from inferlab.engine.cpus import OthersLoad
+
 T = TypeVar("T")
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
+SHARE_CHECK_S = 0.25  # how often the loop looks at the CPUs others leave free (a /proc/stat read, ~50 us)
 
 
 @dataclass(frozen=True)
 class StepThreads:
     threads: int = 0  # intra-op threads for a small step (device.small_step_threads); 0 = off
     max_rows: int = 0  # a step of at most this many token rows is small (device.small_step_rows)
+    share: tuple[int, ...] = ()  # the CPUs whose other load the team follows (device.threads unset); () = off
+
+    def team(self) -> StepTeam:
+        return StepTeam(self)
+
+
+class StepTeam:
+    """The engine loop's team for each step, by StepThreads' policy (one per loop: it keeps the CPU readings)."""
+
+    def __init__(self, policy: StepThreads) -> None:
+        self.policy = policy
+        self.load = OthersLoad(policy.share) if policy.share else None
+        self.fits = 0  # threads the CPUs others leave free hold (0: not measured yet)
+        self.next_check = 0.0
+
+    def threads_for(self, rows: int, full: int) -> int:
+        """Intra-op threads for a step of `rows` token rows, out of the `full` team."""
+        n = full
+        if self.load is not None:
+            now = time.monotonic()
+            if now >= self.next_check:
+                self.next_check = now + SHARE_CHECK_S
+                others = self.load.since_last()
+                if others is not None:  # a CPU half taken counts as taken: the team's barriers wait on it
+                    self.fits = max(1, math.floor(len(self.policy.share) - others + 0.5))
+            if self.fits:
+                n = min(n, self.fits)
+        if 0 < self.policy.threads and rows <= self.policy.max_rows:
+            n = min(n, self.policy.threads)
+        return n
 
     @contextmanager
     def step(self, rows: int) -> Iterator[None]:
-        """Run the body on `threads` threads of this thread if `rows` is small, then back."""
+        """Run the body on the step's team of this thread, then back to the full team."""
         full = torch.get_num_threads()
         set_threads = omp_set_num_threads()
-        if set_threads is None or not 0 < self.threads < full or rows > self.max_rows:
+        n = self.threads_for(rows, full)
+        if set_threads is None or n >= full:
             yield
             return
-        set_threads(self.threads)
+        set_threads(n)
         try:
             yield
         finally:
