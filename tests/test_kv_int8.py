@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from conftest import tiny_config, tiny_engine
 
 from inferlab.api import load_engine
+from inferlab.bench.studies.kv_memory import agreement, teacher_forced
 from inferlab.engine.kv_cache import compute_kv_cache_bytes
 from inferlab.engine.kv_int8 import dequantize_rows, quantize_rows
 from inferlab.engine.paged import PagedKVCache, blocks_for_budget
@@ -144,6 +145,32 @@ def test_engine_says_and_measures_its_int8_kv(tiny_tokenizer):
     assert "in int8" in engine.describe()
     block_bytes = compute_kv_cache_bytes(engine.loaded.config, 1, 16, torch.int8)
     assert engine.stats()["kv_bytes_per_block"] == block_bytes == engine.paged.nbytes // engine.paged.num_blocks
+
+
+def test_agreement_of_logits_counts_equal_argmaxes_and_averages_kl():
+    reference = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    other = torch.tensor([[2.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # the second position's pick differs
+    top1, kl = agreement(reference, other)
+    expected = F.kl_div(F.log_softmax(other, -1), F.log_softmax(reference, -1), log_target=True, reduction="none")
+    assert top1 == 0.5 and kl == pytest.approx(expected.sum(-1).mean().item()) and kl > 0
+    assert agreement(reference, reference) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("kernels", [None, pytest.param("fast", marks=needs_kernels)])
+def test_teacher_forced_int8_kv_agrees_with_the_full_precision_kv(tiny_tokenizer, one_thread, kernels):
+    """kv_memory's check on a tiny model: the same KV twice agrees at every position with KL 0; int8 KV, whose
+    rows are within half a code of the full-precision ones, keeps most picks at a small but nonzero KL."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (48,)).tolist()
+    forced = {}
+    for name, kv_dtype in [("full", None), ("again", None), ("int8", torch.int8)]:
+        engine = tiny_engine(tiny_tokenizer, "paged", kernels=kernels, kv_dtype=kv_dtype, **MODEL)
+        forced[name] = teacher_forced(engine, ids, 16)
+        assert engine.stats()["kv_blocks_used"] == 0
+    assert forced["full"].shape == (32, engine.loaded.config.vocab_size) and forced["full"].dtype == torch.float32
+    assert agreement(forced["full"], forced["again"]) == (1.0, 0.0)
+    top1, kl = agreement(forced["full"], forced["int8"])
+    assert 0.9 <= top1 <= 1 and 0 < kl < 1e-3
 
 
 @pytest.mark.parametrize(

@@ -296,6 +296,19 @@ def test_a_study_shows_its_further_tables_for_the_rows_that_have_their_values(tm
     assert "| 12.5 " in profile_table and "| 80 " in profile_table and "llama.cpp" not in profile_table
 
 
+def test_rows_of_two_kinds_in_one_study_each_show_in_their_own_table(tmp_path: Path):
+    root = tmp_path / "outputs"
+    memory = {"kv_dtype": "int8", "request_tokens": 64, "held_mb": 0.75, "requests_in_pool": 342}
+    agreement = {"precision": "int4", "kv_reference": "bfloat16", "positions": 384, "top1_agreement_pct": 97.4}
+    write(root, "kv_memory/0", "kv_memory", ["cache=paged_int8"], [memory, {**agreement, "mean_kl": 0.0123}])
+    report_file = tmp_path / "REPORT.md"
+    build(root, tmp_path / "outputs" / "report", report_file)
+    section = report_file.read_text().split("## KV memory per request")[1].split("\n## ")[0]
+    main, more = section.split("What int8 KV costs")
+    assert [line.split("|")[2].strip() for line in main.splitlines() if line.startswith("| paged_int8")] == ["64"]
+    assert "| int4 " in more and "| 97.4 " in more and "| 0.0123 " in more and "342" not in more
+
+
 def test_targets_say_which_are_met_and_by_how_much_the_others_are_missed():
     rows = pd.DataFrame(
         [

@@ -124,10 +124,9 @@ def _section(frame: pd.DataFrame, spec: dict[str, Any], report_dir: Path, rel: P
         )
         return f"{head}\n\n{reason}"
     layout = spec["report"]
-    body = [head, _markdown(_table(ok, layout["table"]))]
+    body = [head, _markdown(_table(_having(ok, layout["table"]), layout["table"]))]
     for extra in layout.get("more_tables", []):  # further views of the same rows, each of those that have its values
-        values = [v for v in extra["values"] if v in ok]
-        some = ok[ok[values].notna().any(axis=1)] if values else ok.iloc[:0]
+        some = _having(ok, extra)
         if not some.empty:
             body += [extra["caption"], _markdown(_table(some, extra))]
     if "targets" in layout:
@@ -138,6 +137,13 @@ def _section(frame: pd.DataFrame, spec: dict[str, Any], report_dir: Path, rel: P
     if notes:
         body.append("Jobs of this study that did not produce numbers:\n\n" + notes)
     return "\n\n".join(body)
+
+
+def _having(rows: pd.DataFrame, layout: dict[str, Any]) -> pd.DataFrame:
+    """The rows that have a value of the table's: a study whose jobs write rows of two kinds shows each in its own."""
+    values = layout["values"] if isinstance(layout["values"], list) else [layout["values"]]
+    values = [v for v in values if v in rows]
+    return rows[rows[values].notna().any(axis=1)] if values else rows.iloc[:0]
 
 
 def _table(frame: pd.DataFrame, layout: dict[str, Any]) -> pd.DataFrame:
