@@ -16,7 +16,12 @@ from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.speculative import Speculation
 from inferlab.errors import ModelLoadError
 from inferlab.kernels.build import cpu_gemv_available
+from inferlab.model.transformer import Transformer
+from inferlab.quant.int4 import Int4GroupLinear
+from inferlab.quant.int8 import Int8Linear
 from inferlab.train.checkpoint import save_checkpoint
+
+QUANTIZED_LINEARS = (Int8Linear, Int4GroupLinear)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -112,6 +117,45 @@ def rows_are_batch_invariant(engine) -> bool:
     return torch.equal(together, alone)
 
 
+def fp32_twin(model: Transformer) -> Transformer:
+    """The model with its own weights (quantized ones dequantized) in fp32, on the Python path: what the
+    engine's paths compute without their rounding."""
+    twin = Transformer(dataclasses.replace(model.config))
+    state = {}
+    for name, module in model.named_modules(remove_duplicate=False):  # a tied int8 head is also the embedding's
+        if isinstance(module, QUANTIZED_LINEARS):
+            state[f"{name}.weight"] = module.dequantize()
+            if module.bias is not None:
+                state[f"{name}.bias"] = module.bias
+    for name, tensor in model.state_dict().items():
+        state.setdefault(name, tensor)
+    if model.config.tie_embeddings:
+        state.setdefault("tok_embeddings.weight", state["output.weight"])
+    twin.load_state_dict({name: state[name].float() for name in twin.state_dict()})
+    return twin.eval()
+
+
+# Where spec on and off part, how far below the fp32 twin's top logit either of the two tokens may be. A path takes
+# a token only where its own logit of it is the highest: if every path's gap between two tokens is within D of the
+# twin's, two paths can take different tokens only where both are within D of the twin's top. D measured with
+# one-token steps against the twin over 250 greedy positions of five chat answers: 3e-5 with fp32 activations, 0.09
+# with bf16 ones (the bf16, int8 and int4 precisions); the bounds leave room for other kernel builds' rounding.
+TIE_MARGIN = {"fp32": 1e-3, "bf16": 0.15, "int8": 0.15, "int4": 0.15}
+
+
+@torch.inference_mode()
+def assert_parts_at_a_tie(engine, prompt: list[int], want: list[int], got: list[int], margin: float) -> None:
+    """Speculative greedy tokens `got` equal plain greedy `want` up to where they first differ, and there the
+    fp32 twin, teacher-forced on the shared prefix, has both tokens within `margin` of its top logit."""
+    i = next(i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b)
+    ids = prompt + want[:i]
+    logits = fp32_twin(engine.model)(torch.tensor([ids]), torch.arange(len(ids))[None], last_only=True)[0, -1]
+    below = {t: float(logits.max() - logits[t]) for t in (want[i], got[i])}
+    assert max(below.values()) < margin, (
+        f"token {i}: spec off took {want[i]}, spec on {got[i]}, below fp32's top {below}"
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "precision,spec",
@@ -127,21 +171,25 @@ def test_load_engine_spec_matches_greedy(precision, spec):
     on the fused step, where the first computed them all over the int8 layers' dense copies (oneDNN), which
     round otherwise (the first token's bf16 tie flipped so on an AVX-512 + AMX Xeon). Adaptive K is off, so
     that every round drafts: on an AVX2-only EPYC it found drafting not paying for the int8 and int4 targets
-    and proposed nothing (right there, and tested in test_spec_loop.py), which left losslessness untested."""
+    and proposed nothing (right there, and tested in test_spec_loop.py), which left losslessness untested.
+    Where the fused step rounds a row differently with other rows in the call, a verification may still part
+    from plain decoding at a near-tie, which only full precision can tell from a wrong token (TIE_MARGIN)."""
     engine = load_engine(precision=precision, spec=spec, **{"cache.prefix": False, "spec.adaptive": False})
     speculation = engine.speculation
-    prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+    prompt = engine.encode_prompt(
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.", chat=True
+    )
     engine.speculation = None
-    plain = engine.generate(prompt, max_new_tokens=64, chat=True)
+    plain = engine.generate(prompt, max_new_tokens=64, temperature=0.0)
     engine.speculation = speculation
     assert spec == "ngram" or speculation.drafter.fused is not None or not cpu_gemv_available()
-    got = engine.generate(prompt, max_new_tokens=64, chat=True)
+    got = engine.generate(prompt, max_new_tokens=64, temperature=0.0)
     stats = engine.stats()
     assert stats["spec_proposed"] > 0
     assert spec == "ngram" or stats["spec_accepted"] > stats["spec_proposed"] / 2
-    if got.token_ids != plain.token_ids and not rows_are_batch_invariant(engine):
-        pytest.xfail("this build's fused step rounds a row differently with other rows in the call (csrc/gemv.h)")
-    assert got.token_ids == plain.token_ids
+    if got.token_ids != plain.token_ids:
+        assert_parts_at_a_tie(engine, prompt, plain.token_ids, got.token_ids, TIE_MARGIN[precision])
+        assert not rows_are_batch_invariant(engine), "spec on and off part where every row rounds as alone"
 
 
 def noisy_copy(engine, scale: float = 0.05):
