@@ -64,34 +64,9 @@ def run(cfg: DictConfig) -> Rows:
     levels, rounds = [int(c) for c in study.levels], int(cfg.measure.repeats)
     warmup_prompts, prompts = load_plan(tokenizer, load, levels, rounds, max(1, int(cfg.measure.warmup)), cfg.seed or 0)
     log_dir = Path(HydraConfig.get().runtime.output_dir)
-    samples: dict[tuple[str, int], list[dict[str, float]]] = {(s.name, c): [] for s in specs for c in levels}
-    with ExitStack() as stack:
-        servers = {}
-        for spec in specs:  # started one by one, each paused once up: a start is minutes of CPU for vLLM
-            servers[spec.name] = stack.enter_context(spec.launch(float(study.startup_timeout_s), log_dir))
-            servers[spec.name].pause()
-
-        def drive(spec: ServerSpec, prompts: list[Prompt], concurrency: int) -> dict[str, float]:
-            """One load on one server, the others paused (an idle server's threads may still spin); with the
-            engine's step profile of that load where the server exports its counters."""
-            server = servers[spec.name]
-            server.resume()
-            try:
-                target = HTTPTarget(server.url, "completions", spec.model, int(load["output_tokens"]), 0.0)
-                before, start = scrape(server.url) if spec.profiled else {}, time.perf_counter()
-                metrics = measure(target, prompts, LoadSpec(concurrency))
-                if spec.profiled:
-                    metrics.update(step_profile(before, scrape(server.url), time.perf_counter() - start))
-                return metrics
-            finally:
-                server.pause()
-
-        for spec in specs:  # warm-up: compile paths, fill caches, untimed
-            drive(spec, warmup_prompts, 1)
-        for r in tqdm(range(rounds), desc="serving rounds", leave=False):
-            for c in levels:
-                for spec in specs if r % 2 == 0 else specs[::-1]:
-                    samples[spec.name, c].append(drive(spec, prompts[r][c], c))
+    samples = serve_rounds(
+        specs, warmup_prompts, prompts, int(load["output_tokens"]), float(study.startup_timeout_s), log_dir
+    )
     pairs = paired_variants(study.inferlab_variants, study.get("paired_with"))
     for spec in specs:
         base = None
@@ -124,6 +99,52 @@ def run(cfg: DictConfig) -> Rows:
                 }
             )
     return rows
+
+
+Samples = dict[tuple[str, int], list[dict[str, float]]]  # (server, concurrency) -> each round's load metrics
+
+
+def serve_rounds(
+    specs: list[ServerSpec],
+    warmup_prompts: list[Prompt],
+    prompts: list[dict[int, list[Prompt]]],
+    output_tokens: int,
+    startup_timeout_s: float,
+    log_dir: Path,
+) -> Samples:
+    """Start every server, warm each up with one load of `warmup_prompts`, then in each round of `prompts` drive
+    each server in turn at each level with that level's prompts (the listed order in even rounds, the reverse in odd
+    ones); stop them all. Each load's metrics, by server and level."""
+    levels = list(prompts[0])
+    samples: Samples = {(s.name, c): [] for s in specs for c in levels}
+    with ExitStack() as stack:
+        servers = {}
+        for spec in specs:  # started one by one, each paused once up: a start is minutes of CPU for vLLM
+            servers[spec.name] = stack.enter_context(spec.launch(startup_timeout_s, log_dir))
+            servers[spec.name].pause()
+
+        def drive(spec: ServerSpec, prompts: list[Prompt], concurrency: int) -> dict[str, float]:
+            """One load on one server, the others paused (an idle server's threads may still spin); with the
+            engine's step profile of that load where the server exports its counters."""
+            server = servers[spec.name]
+            server.resume()
+            try:
+                target = HTTPTarget(server.url, "completions", spec.model, output_tokens, 0.0)
+                before, start = scrape(server.url) if spec.profiled else {}, time.perf_counter()
+                metrics = measure(target, prompts, LoadSpec(concurrency))
+                if spec.profiled:
+                    metrics.update(step_profile(before, scrape(server.url), time.perf_counter() - start))
+                return metrics
+            finally:
+                server.pause()
+
+        for spec in specs:  # warm-up: compile paths, fill caches, untimed
+            drive(spec, warmup_prompts, 1)
+        for r in tqdm(range(len(prompts)), desc="serving rounds", leave=False):
+            for c in levels:
+                for spec in specs if r % 2 == 0 else specs[::-1]:
+                    samples[spec.name, c].append(drive(spec, prompts[r][c], c))
+    return samples
 
 
 def load_plan(
