@@ -101,6 +101,7 @@ class InferenceEngine:
         self.paged: PagedKVCache | None = None  # the KV memory the engine loop reads through block tables
         self.blocks: BlockManager | None = None
         self.loop: EngineLoop | None = None  # the engine loop over `paged` (both cache layouts)
+        self.team = config.small_steps.team()  # each forward's intra-op threads, the loop's and the caller's alike
         decode_kernel = decode_attention_applies(config.device, config.dtype, loaded.config.head_dim, config.kernels)
         # a cached forward of up to FusedDecode.covers rows runs as one C++ call (None: the Python model)
         self.fused = (
@@ -132,7 +133,7 @@ class InferenceEngine:
         self._lock = threading.Lock()  # one forward at a time: the model and the KV memory have one owner
         if self.blocks is not None:
             self.loop = EngineLoop(self.model, self.paged, self.blocks, config.scheduler, self.fused, self._lock)
-            self.loop.threads = config.small_steps.team()
+            self.loop.threads = self.team
             weakref.finalize(self, self.loop.stop)  # an engine dropped without close(): its loop thread ends too
         self.scheduler: Scheduler | None = self.loop.scheduler if self.loop else None
         self.speculation = speculation  # spec=ngram|draft|self: drafted and verified, in the loop where it runs
@@ -207,7 +208,8 @@ class InferenceEngine:
                 self.model, self.config.device, self.pool, len(prompt_ids) + reserve_tokens, self.fused
             )
         try:
-            return seq.forward(list(prompt_ids)), seq
+            with self.team.step(len(prompt_ids)):
+                return seq.forward(list(prompt_ids)), seq
         except BaseException:
             seq.release()
             raise
@@ -215,7 +217,8 @@ class InferenceEngine:
     @torch.inference_mode()
     def decode_step(self, last_token_id: int, kv_cache: Sequence) -> Tensor:
         """Feed one token; return the logits for the next one (vocab,)."""
-        return kv_cache.forward([last_token_id])
+        with self.team.step(1):
+            return kv_cache.forward([last_token_id])
 
     # ---- generation ------------------------------------------------------------------------------
     def sampling_params(self, **overrides) -> SamplingParams:
