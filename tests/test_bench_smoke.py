@@ -362,7 +362,7 @@ def test_contention_measures_each_engine_quiet_and_under_a_quota_beside_a_fixed_
 
 
 def test_contention_compares_the_defaults_with_the_fastest_fixed_thread_count():
-    def row(engine: str, condition: str, tok_s: float) -> dict:
+    def row(engine: str, condition: str, tok_s: float | None) -> dict:
         return {"engine": engine, "load": "decode", "condition": condition, "tok_s": tok_s}
 
     rows = compared(
@@ -372,11 +372,13 @@ def test_contention_compares_the_defaults_with_the_fastest_fixed_thread_count():
             row("inferlab device.threads=1", "quota", 50.0),
             row("inferlab device.threads=2", "quota", 20.0),
             row("llama.cpp", "quota", 30.0),  # no quiet row of its own
+            row("llama.cpp", "neighbor", None),  # a run that did not finish in its time
         ]
     )
     assert [(r["vs_quiet"], r["vs_best_fixed"]) for r in rows] == [
         (1.0, None),
         (0.4, 0.8),  # over threads=1's, the faster
+        (None, None),
         (None, None),
         (None, None),
         (None, None),

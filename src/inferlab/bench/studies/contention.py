@@ -58,6 +58,7 @@ class Job:
     warmup: list[Prompt]  # each server's untimed load
     output_tokens: int
     startup_timeout_s: float
+    bench_timeout_s: float  # llama-bench's run, at most
     log_dir: Path
     llama: LlamaCpp | None
 
@@ -74,7 +75,7 @@ class Job:
                 probe = inferlab_decode(placement, self.model, overrides, self.decode_ids, self.measure, log_dir)
                 rows.append({"engine": spec.name, "load": "decode", **where, **probe, "weights": spec.weights})
             if self.llama:
-                bench = llama_bench(placement, self.llama, len(self.decode_ids), self.measure)
+                bench = llama_bench(placement, self.llama, len(self.decode_ids), self.measure, self.bench_timeout_s)
                 rows.append(
                     {"engine": "llama.cpp", "load": "decode", **where, **bench, "weights": self.llama.server.weights}
                 )
@@ -102,6 +103,7 @@ def run(cfg: DictConfig) -> Rows:
         warmup,
         int(load["output_tokens"]),
         float(study.startup_timeout_s),
+        float(study.bench_timeout_s),
         Path(HydraConfig.get().runtime.output_dir),
         llama,
     )
@@ -151,12 +153,19 @@ def inferlab_decode(
     return {"tok_s": probe["decode_tok_s"], "threads": probe["threads"]}
 
 
-def llama_bench(placement: Placement, llama: LlamaCpp, depth: int, measure: DictConfig) -> dict[str, Any]:
+def llama_bench(
+    placement: Placement, llama: LlamaCpp, depth: int, measure: DictConfig, timeout_s: float
+) -> dict[str, Any]:
     """llama.cpp's batch-1 decode (llama-bench, started inside `placement`): `measure.new_tokens` tokens after a
     context of `depth`, tok/s the median of `measure.repeats` runs after its own warm-up run; and its threads."""
     argv = [str(llama.bench), "-m", str(llama.gguf), "-p", "0", "-n", str(int(measure.new_tokens)), "-d", str(depth)]
     argv += ["-t", str(llama.threads), "-r", str(int(measure.repeats)), "-o", "json"]
-    done = subprocess.run(placement.wrap(argv), capture_output=True, text=True)
+    try:
+        done = subprocess.run(placement.wrap(argv), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:  # a collapse: the row says so instead of holding the study for an hour
+        runs = int(measure.repeats) + 1
+        note = f"llama-bench did not finish {runs} runs of {int(measure.new_tokens)} tokens in {timeout_s:.0f} s"
+        return {"tok_s": None, "threads": llama.threads, "note": note}
     if done.returncode != 0:
         raise RuntimeError(f"llama-bench exited with code {done.returncode}: {done.stderr.strip()[-300:]}")
     (test,) = json.loads(done.stdout)
@@ -182,10 +191,10 @@ def compared(rows: Rows) -> Rows:
     where fixed thread counts ran beside them, vs_best_fixed (over the fastest of those)."""
     tok_s = {(r["engine"], r["load"], r["condition"]): r["tok_s"] for r in rows}
     for row in rows:
-        quiet = tok_s.get((row["engine"], row["load"], QUIET))
-        row["vs_quiet"] = row["tok_s"] / quiet if quiet else None
-        fixed = [r["tok_s"] for r in rows if is_fixed_beside(r, row)]
-        row["vs_best_fixed"] = row["tok_s"] / max(fixed) if fixed and max(fixed) > 0 else None
+        quiet, own = tok_s.get((row["engine"], row["load"], QUIET)), row["tok_s"]  # None: a run that did not finish
+        row["vs_quiet"] = own / quiet if own is not None and quiet else None
+        fixed = [r["tok_s"] for r in rows if is_fixed_beside(r, row) and r["tok_s"] is not None]
+        row["vs_best_fixed"] = own / max(fixed) if own is not None and fixed and max(fixed) > 0 else None
     return rows
 
 
