@@ -54,9 +54,9 @@ def test_this_process_grant_reads_its_own_mask():
     assert set(grant.cpus) == os.sched_getaffinity(0) and grant.threads >= 1
 
 
-def proc_stat(busy: dict[int, int], idle: int = 0) -> str:
+def proc_stat(busy: dict[int, int], idle: int = 0, nice: int = 0) -> str:
     lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
-    lines += [f"cpu{c} {b} 0 0 {idle} 0 0 0 0 0 0" for c, b in busy.items()]
+    lines += [f"cpu{c} {b} {nice} 0 {idle} 0 0 0 0 0 0" for c, b in busy.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -66,10 +66,12 @@ def test_others_load_is_the_busy_time_on_the_cpus_less_this_process_own(tmp_path
     clock = {"wall": 100.0, "own": 5.0}
     monkeypatch.setattr(time, "monotonic", lambda: clock["wall"])
     monkeypatch.setattr(time, "process_time", lambda: clock["own"])
+    monkeypatch.setattr(os, "getpriority", lambda *_: 0)  # this process not niced
     load = OthersLoad((0, 1), stat)
     tick = 1 / os.sysconf("SC_CLK_TCK")
     # over 2 s: cpu0 and cpu1 busy 3 s together, of which this process ran 1.6 s; cpu2 is not ours
-    write(stat, proc_stat({0: round(1.5 / tick), 1: round(1.5 / tick), 2: round(2.0 / tick)}))
+    busy = {0: round(1.5 / tick), 1: round(1.5 / tick), 2: round(2.0 / tick)}
+    write(stat, proc_stat(busy, nice=round(0.9 / tick)))  # niced time yields to ours: free
     clock.update(wall=102.0, own=6.6)
     assert load.since_last() == pytest.approx(0.7)
     clock.update(wall=103.0, own=6.6)  # nothing ran: nobody's load

@@ -94,7 +94,8 @@ def read_cfs_quota(directory: Path) -> float | None:
 
 class OthersLoad:
     """How many of `cpus` other processes keep busy: from one reading to the next, the busy time the kernel counts on
-    those CPUs (/proc/stat; stolen time counts as busy) less this process's own CPU time, over the time between.
+    those CPUs (/proc/stat; stolen time counts as busy, niced time as free) less this process's own CPU time, over
+    the time between.
 
     The measure is what a team of threads would find: a CPU-bound neighbor on one of two cores reads ~0.67 while two
     threads of ours compete with it for both, ~1 once one thread leaves it a core of its own.
@@ -103,6 +104,9 @@ class OthersLoad:
     def __init__(self, cpus: tuple[int, ...], stat: Path = Path("/proc/stat")) -> None:
         self.stat, self.names = stat, {f"cpu{c}" for c in cpus}
         self.tick_s = 1 / os.sysconf("SC_CLK_TCK")
+        # A niced process (a build, a batch job) yields its CPU to ours whenever our threads want it, so its time
+        # counts as free; unless this process is niced itself, when the kernel counts our own time there too.
+        self.skip = (3, 4) if os.getpriority(os.PRIO_PROCESS, 0) > 0 else (1, 3, 4)  # nice, idle, iowait
         self.last = self.reading()
 
     def reading(self) -> tuple[float, float, float] | None:
@@ -116,7 +120,7 @@ class OthersLoad:
             fields = line.split()
             if fields and fields[0] in self.names:
                 ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
-                busy += sum(ticks) - ticks[3] - ticks[4]
+                busy += sum(t for i, t in enumerate(ticks) if i not in self.skip)
         return time.monotonic(), busy * self.tick_s, time.process_time()
 
     def since_last(self) -> float | None:
