@@ -335,6 +335,7 @@ def test_contention_measures_each_engine_quiet_and_under_a_quota_beside_a_fixed_
         "size=smoke",
         "study.conditions=[quiet,quota]",  # the neighbor condition's own test: tests/test_contention.py
         "study.fixed_threads=[1]",
+        "study.fixed_threads_under=[quota]",  # the fewest servers that show the comparison
         "study.levels=[1,2]",
         "load.num_requests=2",
     )

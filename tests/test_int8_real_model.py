@@ -23,7 +23,10 @@ the int8 codes' 0.023 and 242. On an AMX Xeon the prompt's rows take the layers'
 (gemv.h's Projection: dense_from_rows), so the int8 codes decode on other cached keys and values: 244 of 256 the
 same, cosine >= 0.894 ("Shall I compare...", one position), one differing token 1.0 below the top; against fp32
 the int8 codes' mean KL 0.0205 and 241 tokens (the AVX2 build on the same Xeon: 0.0229 and 242). The extremes
-move with the prompt path, the averages do not: the floors below leave room for both.
+move with the prompt path, the averages do not: the floors below leave room for both. Once the default's logits
+reached greedy choice in fp32 (no longer rounded to bf16), its greedy texts changed again, and on an AVX2 build the
+extremes read: int8 KV 252 of 256 the same, cosine >= 0.9725 ("Shall I compare...", one position); int8 codes 237
+of 256, cosine >= 0.9587, the farthest differing pick 2.42 below the top: hence 0.97 and 2.5.
 """
 
 import functools
@@ -58,8 +61,8 @@ class Int8Option:
 
 
 OPTIONS = {
-    "kv": Int8Option(("cache.kv_dtype", "int8"), "in int8", 0.98, 0.5, 0.9, 0.95),
-    "activations": Int8Option(("precision.activations", "int8"), "int8 activation codes", 0.85, 1.25, 0.8, 0.9),
+    "kv": Int8Option(("cache.kv_dtype", "int8"), "in int8", 0.97, 0.5, 0.9, 0.95),
+    "activations": Int8Option(("precision.activations", "int8"), "int8 activation codes", 0.85, 2.5, 0.8, 0.9),
 }
 
 

@@ -127,9 +127,22 @@ def test_engine_greedy_equals_spec_off(tiny_tokenizer, kernels, quant, draft_pre
         assert (spec.speculation.drafter.fused is not None) == (kernels == "fast")
         for prompt in PROMPTS:
             want, got = plain.generate(prompt), spec.generate(prompt)
-            assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+            if kernels == "fast" or got.token_ids == want.token_ids:
+                assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+            else:  # F.linear's sums depend on how many rows a call has: only a tie at rounding's size may part them
+                bound = 0.02 if dtype == torch.bfloat16 else 1e-4  # a few bf16 steps of this model's logits (~2)
+                assert rounding_tie(plain, plain.encode_prompt(prompt), want.token_ids, got.token_ids, bound)
         stats = spec.stats()
         assert stats["spec_proposed"] > 0 and stats["spec_accepted"] > 0  # the draft ran, and was right sometimes
+
+
+def rounding_tie(engine, prompt: list[int], want: list[int], got: list[int], bound: float) -> bool:
+    """Whether the two token lists first part where the engine's own logits, after the tokens they share, hold the
+    two picks within `bound` of each other (fp32 summation order), not at a real margin."""
+    i = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+    logits, seq = engine.prefill(prompt + want[:i])
+    seq.release()
+    return abs(float(logits[want[i]] - logits[got[i]])) <= bound
 
 
 def test_draft_cache_after_rollbacks_equals_a_fresh_prefill(tiny_tokenizer):
