@@ -13,7 +13,7 @@ from test_server import client_for, sse_payloads
 from test_spec_self import spec_config
 
 from inferlab import load_engine
-from inferlab.engine.kv_int8 import KV_INT8
+from inferlab.engine.kv.int8 import KV_INT8
 from inferlab.model.transformer import causal_attend
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from conftest import tiny_engine
 
 from inferlab.api import load_engine
-from inferlab.engine.block_manager import BlockTable
 from inferlab.engine.flat import FlatBatch, Segment, forward_flat
+from inferlab.engine.kv.block_manager import BlockTable
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.model.transformer import causal_attend
 

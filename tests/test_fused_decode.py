@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_engine, tiny_model
 
-from inferlab.engine.block_manager import BlockManager, BlockTable
 from inferlab.engine.drafters import ModelRunner
-from inferlab.engine.flat import FlatBatch, Segment, forward_flat
-from inferlab.engine.paged import PagedKVCache, forward_paged
+from inferlab.engine.flat import FlatBatch, Segment, forward_flat, forward_paged
+from inferlab.engine.kv.block_manager import BlockManager, BlockTable
+from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.kernels.fused_decode import FUSED_MAX_ROWS, SHORT_CHUNK_ROWS, FusedDecode, many_rows_limit
 from inferlab.kernels.gemv import (

@@ -10,8 +10,8 @@ import torch
 from conftest import tiny_model
 from torch import nn
 
-from inferlab.engine.kv_cache import KVCache
-from inferlab.engine.paged import PagedKVCache
+from inferlab.engine.kv.contiguous import KVCache
+from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.kernels.huge_pages import HUGE_PAGE, move_weights_to_huge_pages, zeros_on_huge_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")

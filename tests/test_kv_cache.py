@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import tiny_config, tiny_engine
 
-from inferlab.engine.kv_cache import CachedAttend, KVCache, SlotPool, compute_kv_cache_bytes
+from inferlab.engine.kv.contiguous import CachedAttend, KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.errors import CapacityError
 
 

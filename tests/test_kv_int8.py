@@ -9,9 +9,9 @@ from conftest import tiny_config, tiny_engine
 
 from inferlab.api import load_engine
 from inferlab.bench.studies.kv_memory import agreement, teacher_forced
-from inferlab.engine.kv_cache import compute_kv_cache_bytes
-from inferlab.engine.kv_int8 import dequantize_rows, quantize_rows
-from inferlab.engine.paged import PagedKVCache, blocks_for_budget
+from inferlab.engine.kv.contiguous import compute_kv_cache_bytes
+from inferlab.engine.kv.int8 import dequantize_rows, quantize_rows
+from inferlab.engine.kv.paged import PagedKVCache, blocks_for_budget
 from inferlab.errors import InvalidRequestError
 from inferlab.kernels.attention import decode_attention
 from inferlab.kernels.build import cpu_gemv_available

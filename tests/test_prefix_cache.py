@@ -5,10 +5,10 @@ from dataclasses import replace
 import torch
 from conftest import tiny_engine
 
-from inferlab.engine import block_manager
-from inferlab.engine.block_manager import BlockManager, BlockTable
 from inferlab.engine.engine import InferenceEngine
-from inferlab.engine.prefix_cache import PrefixCache
+from inferlab.engine.kv import block_manager
+from inferlab.engine.kv.block_manager import BlockManager, BlockTable
+from inferlab.engine.kv.prefix_cache import PrefixCache
 
 SYSTEM = [(7 * i) % 250 + 1 for i in range(200)]  # a 200-token "system prompt"
 

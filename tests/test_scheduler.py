@@ -11,9 +11,9 @@ from conftest import tiny_engine
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.engine import GenerationRequest, InferenceEngine
-from inferlab.engine.prefix_cache import PrefixCache
+from inferlab.engine.kv.block_manager import BlockManager
+from inferlab.engine.kv.prefix_cache import PrefixCache
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from inferlab.api import load_engine
     from inferlab.engine.engine import Completion, GenerationRequest, InferenceEngine, StreamEvent, Timings
-    from inferlab.engine.kv_cache import KVCache, compute_kv_cache_bytes
+    from inferlab.engine.kv.contiguous import KVCache, compute_kv_cache_bytes
     from inferlab.engine.sampling import SamplingParams
     from inferlab.engine.speculative import SpecResult, SpecStats, speculative_generate
     from inferlab.model.config import ModelConfig
@@ -23,7 +23,7 @@ _HOMES = {
     **dict.fromkeys(
         ("Completion", "GenerationRequest", "InferenceEngine", "StreamEvent", "Timings"), "inferlab.engine.engine"
     ),
-    **dict.fromkeys(("KVCache", "compute_kv_cache_bytes"), "inferlab.engine.kv_cache"),
+    **dict.fromkeys(("KVCache", "compute_kv_cache_bytes"), "inferlab.engine.kv.contiguous"),
     "SamplingParams": "inferlab.engine.sampling",
     **dict.fromkeys(("SpecResult", "SpecStats", "speculative_generate"), "inferlab.engine.speculative"),
     "ModelConfig": "inferlab.model.config",

@@ -12,8 +12,8 @@ from torch import nn
 
 from inferlab.engine.cpus import cpu_grant
 from inferlab.engine.engine import EngineConfig, InferenceEngine
-from inferlab.engine.kv_int8 import KV_INT8
-from inferlab.engine.paged import blocks_for_budget
+from inferlab.engine.kv.int8 import KV_INT8
+from inferlab.engine.kv.paged import blocks_for_budget
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.engine.speculative import build_speculation

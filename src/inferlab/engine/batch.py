@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inferlab.engine.kv_cache import KVCache
+from inferlab.engine.kv.contiguous import KVCache
 from inferlab.engine.sequence import Request
 from inferlab.model.transformer import PLAIN, AttentionSpan, Transformer, attend_over
 

@@ -23,11 +23,11 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.adaptive_k import StepCost
-from inferlab.engine.block_manager import BlockManager, BlockTable
 from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, Proposal, pick_draft_token
 from inferlab.engine.flat import FlatBatch, Segment, forward_flat
-from inferlab.engine.kv_cache import compute_kv_cache_bytes
-from inferlab.engine.paged import PagedKVCache
+from inferlab.engine.kv.block_manager import BlockManager, BlockTable
+from inferlab.engine.kv.contiguous import compute_kv_cache_bytes
+from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.engine.sequence import Request
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.adaptive_k import Calibration
-from inferlab.engine.kv_cache import CachedAttend, KVCache
+from inferlab.engine.kv.contiguous import CachedAttend, KVCache
 from inferlab.engine.sampling import SamplingParams, argmax_rows, draw, probabilities
 from inferlab.errors import ModelLoadError
 from inferlab.kernels.fused_decode import FusedDecode

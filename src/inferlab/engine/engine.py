@@ -23,14 +23,14 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
-from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.cpus import CpuGrant
 from inferlab.engine.draft_pool import loop_drafts
-from inferlab.engine.kv_cache import KVCache, SlotPool, compute_kv_cache_bytes
+from inferlab.engine.kv.block_manager import BlockManager
+from inferlab.engine.kv.contiguous import KVCache, SlotPool, compute_kv_cache_bytes
+from inferlab.engine.kv.paged import PagedKVCache
+from inferlab.engine.kv.prefix_cache import PrefixCache
 from inferlab.engine.loop import EngineLoop, FaultHook
 from inferlab.engine.mailbox import mailbox
-from inferlab.engine.paged import PagedKVCache
-from inferlab.engine.prefix_cache import PrefixCache
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent, Timings

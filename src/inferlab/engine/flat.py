@@ -13,18 +13,15 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.engine.step_stats import StepStats
 from inferlab.kernels.attention import decode_attention
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import PLAIN, AttentionSpan, Transformer, attend_over
-
-if TYPE_CHECKING:  # paged.py runs its forwards through this file
-    from inferlab.engine.paged import PagedKVCache
 
 
 @dataclass
@@ -198,3 +195,17 @@ def forward_flat(
         return fused(batch.tokens, cache.k, cache.v, tables, positions, k_scales, v_scales, batch.logit_rows)
     attend = FlatAttend(cache, batch, stats)
     return model(batch.tokens[None], batch.positions[None], attend, rows=batch.logit_rows)[0]
+
+
+def forward_paged(
+    model: Transformer,
+    cache: PagedKVCache,
+    new_tokens: list[list[int]],
+    starts: list[int],
+    block_tables: list[list[int]],
+    fused: FusedDecode | None = None,
+) -> Tensor:
+    """B sequences, each feeding its new tokens after its `starts` cached ones, in one flat forward: each one's
+    last logits (B, vocab)."""
+    segments = [Segment(t, s, b) for t, s, b in zip(new_tokens, starts, block_tables)]
+    return forward_flat(model, cache, FlatBatch.pack(segments, cache.k.device), fused)

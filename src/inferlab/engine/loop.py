@@ -22,10 +22,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.flat import FlatBatch, Segment, forward_flat, runs_fused
+from inferlab.engine.kv.block_manager import BlockManager
+from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.engine.mailbox import batched
-from inferlab.engine.paged import PagedKVCache
 from inferlab.engine.sampling import argmax_rows
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent

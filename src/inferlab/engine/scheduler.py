@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inferlab.engine.block_manager import BlockManager
+from inferlab.engine.kv.block_manager import BlockManager
 from inferlab.engine.sequence import Request
 from inferlab.errors import OverloadedError
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from inferlab.engine.block_manager import BlockTable
+from inferlab.engine.kv.block_manager import BlockTable
 from inferlab.engine.logits import TokenLogprob, changes_logits, log_probs, process_logits, token_logprob
 from inferlab.engine.sampling import SamplingParams, sample
 from inferlab.engine.stop import TextStream

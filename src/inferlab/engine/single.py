@@ -14,10 +14,10 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-from inferlab.engine.block_manager import BlockManager, BlockTable
-from inferlab.engine.flat import FlatBatch, Segment, forward_flat
-from inferlab.engine.kv_cache import CachedAttend, SlotPool
-from inferlab.engine.paged import PagedKVCache, forward_paged
+from inferlab.engine.flat import FlatBatch, Segment, forward_flat, forward_paged
+from inferlab.engine.kv.block_manager import BlockManager, BlockTable
+from inferlab.engine.kv.contiguous import CachedAttend, SlotPool
+from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.errors import CapacityError
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer, causal_attend

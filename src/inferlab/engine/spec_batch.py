@@ -36,9 +36,9 @@ from inferlab.engine.adaptive_k import (
     expected_tokens,
     plan_k,
 )
-from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.draft_pool import LoopDrafts
 from inferlab.engine.drafters import Proposal
+from inferlab.engine.kv.block_manager import BlockManager
 from inferlab.engine.scheduler import ScheduledBatch
 from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.engine.speculative import SpecStats, Speculation, verify_proposal

@@ -35,7 +35,7 @@ def decode_attention(
     q: (B, H, 1, D); k, v: (B, H_kv, 1, D); k_pool, v_pool: (num_blocks, H_kv, block_size, D), written in
     place (the contiguous cache is one max_seq_len block per slot); block_tables: (B, n) int64;
     positions: (B,) int64; H a multiple of H_kv -> (B, H, 1, D). int8 pools hold codes, with `k_scales`,
-    `v_scales` (num_blocks, H_kv, block_size) fp32 one per row (engine/kv_int8.py): the new rows are
+    `v_scales` (num_blocks, H_kv, block_size) fp32 one per row (engine/kv/int8.py): the new rows are
     quantized as they are written and the old ones dequantized as they are read.
     """
     return kernel_ops().decode_attention(

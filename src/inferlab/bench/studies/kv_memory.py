@@ -22,7 +22,7 @@ from inferlab.api import engine_from_config, precision_config
 from inferlab.bench.studies import Rows, register
 from inferlab.bench.studies.common import prompt_ids
 from inferlab.engine.engine import InferenceEngine
-from inferlab.engine.kv_cache import compute_kv_cache_bytes
+from inferlab.engine.kv.contiguous import compute_kv_cache_bytes
 from inferlab.train.corpus import load_tokens
 
 MIB = 2**20

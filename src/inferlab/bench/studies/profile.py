@@ -36,7 +36,7 @@ from inferlab.api import engine_from_config
 from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.bench.studies.common import prompt_ids, read_bandwidth_gb_s, sync
 from inferlab.engine.engine import InferenceEngine
-from inferlab.engine.kv_cache import compute_kv_cache_bytes
+from inferlab.engine.kv.contiguous import compute_kv_cache_bytes
 from inferlab.engine.sampling import argmax_rows
 from inferlab.engine.single import PagedSequence, Sequence, forward_together
 from inferlab.model.transformer import Transformer

@@ -14,19 +14,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from inferlab.engine.flat import FlatBatch, Segment, forward_flat
-from inferlab.engine.kv_cache import KVCache, compute_kv_cache_bytes
-from inferlab.engine.kv_int8 import KV_INT8, SCALE_DTYPE, dequantize_rows, quantize_rows
-from inferlab.kernels.fused_decode import FusedDecode
+from inferlab.engine.kv.contiguous import KVCache, compute_kv_cache_bytes
+from inferlab.engine.kv.int8 import KV_INT8, SCALE_DTYPE, dequantize_rows, quantize_rows
 from inferlab.kernels.huge_pages import zeros_on_huge_pages
 from inferlab.model.config import ModelConfig
-from inferlab.model.transformer import Transformer
 
 
 @dataclass
 class PagedKVCache:
     """k, v: (n_layers, num_blocks, n_kv_heads, block_size, head_dim); int8 codes with `k_scale`, `v_scale`
-    (n_layers, num_blocks, n_kv_heads, block_size) fp32, one per row (engine/kv_int8.py)."""
+    (n_layers, num_blocks, n_kv_heads, block_size) fp32, one per row (kv/int8.py)."""
 
     k: Tensor
     v: Tensor
@@ -91,17 +88,3 @@ class PagedKVCache:
 def blocks_for_budget(config: ModelConfig, budget_mb: float, block_size: int, dtype: torch.dtype) -> int:
     """How many blocks a KV memory budget holds, by the same formula the calculator uses (int8: with scales)."""
     return int(budget_mb * 2**20) // compute_kv_cache_bytes(config, 1, block_size, dtype)
-
-
-def forward_paged(
-    model: Transformer,
-    cache: PagedKVCache,
-    new_tokens: list[list[int]],
-    starts: list[int],
-    block_tables: list[list[int]],
-    fused: FusedDecode | None = None,
-) -> Tensor:
-    """B sequences, each feeding its new tokens after its `starts` cached ones, in one flat forward
-    (engine/flat.py): each one's last logits (B, vocab)."""
-    segments = [Segment(t, s, b) for t, s, b in zip(new_tokens, starts, block_tables)]
-    return forward_flat(model, cache, FlatBatch.pack(segments, cache.k.device), fused)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inferlab.engine.kv_int8 import KV_INT8, SCALE_DTYPE
+from inferlab.engine.kv.int8 import KV_INT8, SCALE_DTYPE
 from inferlab.errors import CapacityError
 from inferlab.kernels.attention import decode_attention
 from inferlab.kernels.huge_pages import zeros_on_huge_pages

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from inferlab.engine.prefix_cache import PrefixCache, chain_hash
+from inferlab.engine.kv.prefix_cache import PrefixCache, chain_hash
 from inferlab.errors import CapacityError
 
 
