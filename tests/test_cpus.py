@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from inferlab import load_engine
-from inferlab.engine.cpus import CpuGrant, OthersLoad, cgroup_quota, cpu_grant
-from inferlab.engine.threads import StepThreads, omp_set_num_threads
+from inferlab.engine.runtime.cpus import CpuGrant, OthersLoad, cgroup_quota, cpu_grant
+from inferlab.engine.runtime.threads import StepThreads, omp_set_num_threads
 
 
 def write(path: Path, text: str) -> None:

@@ -7,7 +7,7 @@ import pytest
 from conftest import tiny_engine
 
 from inferlab.engine.engine import GenerationRequest
-from inferlab.engine.mailbox import batched, mailbox
+from inferlab.engine.runtime.mailbox import batched, mailbox
 from inferlab.engine.sampling import SamplingParams
 
 

@@ -4,7 +4,7 @@ import time
 
 from conftest import tiny_engine
 
-from inferlab.engine.step_stats import StepStats
+from inferlab.engine.runtime.step_stats import StepStats
 
 PROMPTS = [list(range(5, 5 + n)) for n in (7, 30, 19)]
 

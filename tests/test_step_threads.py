@@ -11,8 +11,8 @@ from conftest import tiny_engine, tiny_model
 
 from inferlab.engine.drafters import ModelDrafter
 from inferlab.engine.engine import InferenceEngine
+from inferlab.engine.runtime.threads import StepThreads, omp_set_num_threads, on_own_thread
 from inferlab.engine.speculative import Speculation
-from inferlab.engine.threads import StepThreads, omp_set_num_threads, on_own_thread
 from inferlab.errors import EngineFailedError
 
 needs_two = pytest.mark.skipif(

@@ -10,14 +10,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
-from inferlab.engine.cpus import cpu_grant
 from inferlab.engine.engine import EngineConfig, InferenceEngine
 from inferlab.engine.kv.int8 import KV_INT8
 from inferlab.engine.kv.paged import blocks_for_budget
+from inferlab.engine.runtime.cpus import cpu_grant
+from inferlab.engine.runtime.threads import StepThreads, on_own_thread
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.engine.speculative import build_speculation
-from inferlab.engine.threads import StepThreads, on_own_thread
 from inferlab.errors import InvalidRequestError, ModelLoadError
 from inferlab.kernels.select import choose_isa, select_kernels
 from inferlab.model.gguf_loader import release_gguf
@@ -130,7 +130,7 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
     device = resolve_device(cfg.device.name)
     grant = cpu_grant()
     # device.threads unset: a thread per CPU the process gets (torch alone counts the affinity mask, not a quota),
-    # fewer while other processes keep them busy (engine/threads.py)
+    # fewer while other processes keep them busy (engine/runtime/threads.py)
     threads = int(cfg.device.threads or grant.threads)
     torch.set_num_threads(threads)
     share = grant.cpus if device.type == "cpu" and not cfg.device.threads else ()

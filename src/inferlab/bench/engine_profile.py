@@ -1,6 +1,6 @@
 """Where an inferlab server's engine spent a load: its own step counters (/v1/metrics), before and after.
 
-The engine loop counts its steps, token rows and each phase's seconds (engine/step_stats.py) and the server
+The engine loop counts its steps, token rows and each phase's seconds (engine/runtime/step_stats.py) and the server
 the CPU time of its process and its HTTP event loop; the difference of two scrapes around one load, over
 its steps or its wall time, says what a step held and where its time went: the forward (and its attention
 outside the matrix products; and per token row, what one more sequence costs at that load), scheduling and

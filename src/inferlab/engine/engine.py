@@ -23,14 +23,15 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
-from inferlab.engine.cpus import CpuGrant
 from inferlab.engine.draft_pool import loop_drafts
 from inferlab.engine.kv.block_manager import BlockManager
 from inferlab.engine.kv.contiguous import KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.engine.kv.prefix_cache import PrefixCache
 from inferlab.engine.loop import EngineLoop, FaultHook
-from inferlab.engine.mailbox import mailbox
+from inferlab.engine.runtime.cpus import CpuGrant
+from inferlab.engine.runtime.mailbox import mailbox
+from inferlab.engine.runtime.threads import StepThreads, on_own_thread
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent, Timings
@@ -38,7 +39,6 @@ from inferlab.engine.single import CachedSequence, PagedSequence, RecomputeSeque
 from inferlab.engine.spec_batch import LoopSpeculation
 from inferlab.engine.speculative import Speculation, stream_events
 from inferlab.engine.stop import TextStream
-from inferlab.engine.threads import StepThreads, on_own_thread
 from inferlab.errors import CapacityError, InvalidRequestError
 from inferlab.kernels.attention import decode_attention_applies
 from inferlab.kernels.fused_decode import FusedDecode
@@ -64,7 +64,7 @@ class EngineConfig:
     precision: str = ""  # the precision served and, for precision=auto, why (the startup line)
     kv_dtype: torch.dtype | None = None  # paged: the KV pool's element type; None = dtype, torch.int8 = codes + scales
     int8_activations: bool = False  # the fused step's int4 products take int8 codes per block (precision.activations)
-    small_steps: StepThreads = StepThreads()  # the engine loop's intra-op threads per step (engine/threads.py)
+    small_steps: StepThreads = StepThreads()  # the engine loop's intra-op threads per step (engine/runtime/threads.py)
     threads: int = 0  # a step's intra-op threads at most (device.threads, else the grant's); 0 = torch's count
     cpus: CpuGrant | None = None  # what the OS grants the process (the startup line)
 
@@ -164,7 +164,7 @@ class InferenceEngine:
         """End the engine loop's thread, and the OpenMP team of worker threads it keeps; later requests are refused.
         Also done when the engine is garbage-collected. A loop left idle beside another engine's keeps its team: more
         OpenMP threads than cores, and libgomp then ends every wait at a parallel region's barrier with a futex sleep
-        (engine/threads.py). The next engine built in the same process (a sweep's next job) decoded SmolLM2 bf16 at
+        (engine/runtime/threads.py). The next engine built in the same process (a sweep's next job) decoded SmolLM2 bf16 at
         60-75 tok/s beside a dropped engine's idle loop, 120-124 once that loop had ended (2 cores)."""
         if self.loop is not None:
             self.loop.stop()

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.kv.paged import PagedKVCache
-from inferlab.engine.step_stats import StepStats
+from inferlab.engine.runtime.step_stats import StepStats
 from inferlab.kernels.attention import decode_attention
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import PLAIN, AttentionSpan, Transformer, attend_over

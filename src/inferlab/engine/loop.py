@@ -25,13 +25,13 @@ from torch import Tensor
 from inferlab.engine.flat import FlatBatch, Segment, forward_flat, runs_fused
 from inferlab.engine.kv.block_manager import BlockManager
 from inferlab.engine.kv.paged import PagedKVCache
-from inferlab.engine.mailbox import batched
+from inferlab.engine.runtime.mailbox import batched
+from inferlab.engine.runtime.step_stats import StepStats
+from inferlab.engine.runtime.threads import StepTeam, StepThreads
 from inferlab.engine.sampling import argmax_rows
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.engine.spec_batch import LoopSpeculation
-from inferlab.engine.step_stats import StepStats
-from inferlab.engine.threads import StepTeam, StepThreads
 from inferlab.errors import EngineFailedError, GenerationError
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer
@@ -73,8 +73,8 @@ class EngineLoop:
         self._wake = threading.Condition()  # the loop sleeps on it while there is nothing to do
         self._thread: threading.Thread | None = None
         self._stopping = False  # stop(): the loop returns after its current step
-        self.threads: StepTeam = StepThreads().team()  # each step's intra-op team (engine/threads.py)
-        self.stats = StepStats()  # where the steps' time goes (engine/step_stats.py)
+        self.threads: StepTeam = StepThreads().team()  # each step's intra-op team (engine/runtime/threads.py)
+        self.stats = StepStats()  # where the steps' time goes (engine/runtime/step_stats.py)
         self._decode_step: tuple[int, int, float] | None = None  # a step of decodes alone: decodes, tokens, start
 
     # ---- the front door's side: any thread -------------------------------------------------------

@@ -22,8 +22,8 @@ from inferlab.bench.progress import progress
 from inferlab.bench.prompts import corpus_ids
 from inferlab.bench.studies import Rows, register
 from inferlab.engine.engine import InferenceEngine
+from inferlab.engine.runtime.threads import on_own_thread
 from inferlab.engine.speculative import Speculation, build_speculation
-from inferlab.engine.threads import on_own_thread
 from inferlab.errors import ModelLoadError
 from inferlab.kernels.select import select_kernels
 
@@ -39,7 +39,7 @@ def run(cfg: DictConfig) -> Rows:
     rows: Rows = []
     for name in study.drafters:
         try:
-            # built off this thread, as the engine was (engine/threads.py on_own_thread): no OpenMP team left here
+            # built off this thread, as the engine was (engine/runtime/threads.py on_own_thread): no OpenMP team left here
             build = functools.partial(speculation_for, engine, cfg, name)
             drafters[name] = engine.speculation if name == cfg.spec.name else on_own_thread(build)
         except ModelLoadError as e:

@@ -5,7 +5,7 @@ A step is a few hundred short parallel regions, and each region's barrier waits 
 When something else holds a CPU that a member needs (another process, the HTTP event loop sending a token), the
 scheduler parks that member for a time slice, and every region pays for it: inferlab-serve on 2 cores with one
 CPU-bound neighbor fell from 0.37 s to a 504 after 30 s for 64 tokens on two threads, while one thread lost 20 %.
-So the team is fitted to the CPUs: at load to the affinity mask and the cgroup's CPU quota (engine/cpus.py), and,
+So the team is fitted to the CPUs: at load to the affinity mask and the cgroup's CPU quota (runtime/cpus.py), and,
 where the team size is not set by hand, every SHARE_CHECK_S in the loop to the CPUs others leave free. Steps of at
 most `max_rows` rows may run on fewer still (`threads`): a lone decode gains nothing from a second thread that the
 event loop competes for. Results do not change: the kernels split output features across threads, never a sum.
@@ -32,7 +32,7 @@ from typing import TypeVar
 
 import torch
 
-from inferlab.engine.cpus import OthersLoad
+from inferlab.engine.runtime.cpus import OthersLoad
 
 T = TypeVar("T")
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
