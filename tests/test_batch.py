@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import tiny_engine
 
-from inferlab.engine.batch import LeftPaddedBatch
+from inferlab.engine.reference.static_batch import LeftPaddedBatch
 
 PROMPTS = [list(range(5, 5 + n)) for n in (7, 30, 19, 3)]
 

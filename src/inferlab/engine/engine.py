@@ -22,20 +22,20 @@ from queue import SimpleQueue
 import torch
 from torch import Tensor
 
-from inferlab.engine.batch import LeftPaddedBatch, run_static_batch
 from inferlab.engine.draft_pool import loop_drafts
 from inferlab.engine.kv.block_manager import BlockManager
 from inferlab.engine.kv.contiguous import KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.engine.kv.prefix_cache import PrefixCache
 from inferlab.engine.loop import EngineLoop, FaultHook
+from inferlab.engine.reference.single import CachedSequence, PagedSequence, RecomputeSequence, Sequence
+from inferlab.engine.reference.static_batch import LeftPaddedBatch, run_static_batch
 from inferlab.engine.runtime.cpus import CpuGrant
 from inferlab.engine.runtime.mailbox import mailbox
 from inferlab.engine.runtime.threads import StepThreads, on_own_thread
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent, Timings
-from inferlab.engine.single import CachedSequence, PagedSequence, RecomputeSequence, Sequence
 from inferlab.engine.spec_batch import LoopSpeculation
 from inferlab.engine.speculative import Speculation, stream_events
 from inferlab.engine.stop import TextStream
@@ -291,7 +291,7 @@ class InferenceEngine:
             self.loop.cancel(request)
 
     def _iter_single(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
-        """One sequence's prefill then decode steps (engine/single.py), the engine lock taken per forward."""
+        """One sequence's prefill then decode steps (engine/reference/single.py), the engine lock taken per forward."""
         request = self._new_request(prompt_ids, params, emit=lambda item: None)  # events are yielded, not emitted
         with self._lock:
             logits, seq = self.prefill(prompt_ids, reserve_tokens=request.max_new_tokens)

@@ -18,8 +18,8 @@ from torch import Tensor
 from inferlab.bench.prompts import make_prompts
 from inferlab.bench.studies import Rows, Study, StudyUnavailable
 from inferlab.engine.engine import InferenceEngine
+from inferlab.engine.reference.single import Sequence
 from inferlab.engine.sampling import argmax_rows
-from inferlab.engine.single import Sequence
 from inferlab.kernels.build import use_isa
 from inferlab.kernels.huge_pages import zeros_on_huge_pages
 

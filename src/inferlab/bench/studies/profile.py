@@ -4,7 +4,7 @@ the top operators by self time and their share of the total.
 The fused step's phases (decode_step.cpp names one profiler range per phase) also get the rate at which
 they streamed their weights, as a share of the read bandwidth the step's working set gets (below): how far each
 matrix-vector product is from the memory limit, phase by phase. A step of B sequences is one flat forward
-of B rows, as the engine loop runs it (engine/single.py: forward_together); against the one-sequence step
+of B rows, as the engine loop runs it (engine/reference/single.py: forward_together); against the one-sequence step
 of the same job, `vs_one_sequence` is what each phase's step costs more, and `speedup_ceiling` = B x the
 one-sequence step's ms over the B-sequence step's: the most tokens/s that B streams decoding together can
 bring over one stream on this machine, whatever the server around the step does. Each step's ms is the median of
@@ -37,8 +37,8 @@ from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.bench.studies.common import prompt_ids, read_bandwidth_gb_s, sync
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.kv.contiguous import compute_kv_cache_bytes
+from inferlab.engine.reference.single import PagedSequence, Sequence, forward_together
 from inferlab.engine.sampling import argmax_rows
-from inferlab.engine.single import PagedSequence, Sequence, forward_together
 from inferlab.model.transformer import Transformer
 from inferlab.quant.apply import module_bytes
 
