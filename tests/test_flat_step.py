@@ -1,4 +1,4 @@
-"""One engine step = one flat forward (engine/flat.py): decode rows and prompt chunks of several sequences
+"""One engine step = one flat forward (engine/model_runner.py): decode rows and prompt chunks of several sequences
 mixed in one batch give each sequence what its own full forward gives, for every weight format and both
 cache layouts, on the fused C++ step and on the Python model, on random models and the real one."""
 
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from conftest import tiny_engine
 
 from inferlab.api import load_engine
-from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.kv.block_manager import BlockTable
+from inferlab.engine.model_runner import FlatBatch, Segment, forward_flat
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.model.transformer import causal_attend
 

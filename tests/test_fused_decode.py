@@ -5,10 +5,9 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_engine, tiny_model
 
-from inferlab.engine.drafters import ModelRunner
-from inferlab.engine.flat import FlatBatch, Segment, forward_flat, forward_paged
 from inferlab.engine.kv.block_manager import BlockManager, BlockTable
 from inferlab.engine.kv.paged import PagedKVCache
+from inferlab.engine.model_runner import FlatBatch, Segment, SlotRunner, forward_flat, forward_paged
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.kernels.fused_decode import FUSED_MAX_ROWS, SHORT_CHUNK_ROWS, FusedDecode, many_rows_limit
 from inferlab.kernels.gemv import (
@@ -155,11 +154,11 @@ def test_a_mixed_step_of_decodes_and_prompt_chunks_equals_per_sequence_forwards(
 
 
 def test_a_few_tokens_of_one_sequence_run_as_the_rows_of_one_step(isa, tiny_tokenizer):
-    """ModelRunner (the target of speculative decoding) feeds the tokens of its sequence as the rows of one
+    """SlotRunner (the target of speculative decoding) feeds the tokens of its sequence as the rows of one
     fused step: the logits at every position equal the Python model's causal forward, and the cache ends the
     same."""
     engine = tiny_engine(tiny_tokenizer, kernels="fast")
-    fast, reference = ModelRunner(engine.model, 64, engine.fused), ModelRunner(engine.model, 64)
+    fast, reference = SlotRunner.alone(engine.model, 64, engine.fused), SlotRunner.alone(engine.model, 64)
     python_forwards: list[int] = []
     forward = engine.model.forward
     for n in (6, 12, 4, 1, 8, 3):
@@ -319,7 +318,7 @@ def test_int8_activation_codes_stay_close_to_the_int16_ones(isa):
     model = tiny_model(3, dim=128, hidden_dim=256)
     quantize_model(model, "int4", 32)
     runners = {
-        from_rows: ModelRunner(
+        from_rows: SlotRunner.alone(
             model, 64, FusedDecode.build(model, CPU, torch.float32, "fast", int8_from_rows=from_rows)
         )
         for from_rows in (0, 1, 4)
@@ -328,7 +327,7 @@ def test_int8_activation_codes_stay_close_to_the_int16_ones(isa):
     whole = {from_rows: runner.forward(tokens) for from_rows, runner in runners.items()}
     assert (F.cosine_similarity(whole[1], whole[0], dim=-1) >= 0.99).all()
     assert not torch.equal(whole[1], whole[0])
-    stepped = ModelRunner(model, 64, runners[1].fused)
+    stepped = SlotRunner.alone(model, 64, runners[1].fused)
     stepped.forward(tokens[:12])
     rows = torch.cat([stepped.forward([token]) for token in tokens[12:]])
     torch.testing.assert_close(rows, whole[1][12:], atol=1e-5, rtol=1e-4)

@@ -3,10 +3,10 @@
 import torch
 from conftest import tiny_config, tiny_engine, tiny_model
 
-from inferlab.engine.flat import FlatAttend, FlatBatch, Segment, forward_paged
 from inferlab.engine.kv.block_manager import BlockManager, BlockTable
 from inferlab.engine.kv.contiguous import CachedAttend, KVCache, compute_kv_cache_bytes
 from inferlab.engine.kv.paged import PagedKVCache, blocks_for_budget
+from inferlab.engine.model_runner import FlatAttend, FlatBatch, Segment, forward_paged
 from inferlab.engine.reference.single import forward_together
 
 CPU = torch.device("cpu")

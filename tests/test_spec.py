@@ -9,7 +9,8 @@ import torch
 from conftest import tiny_model
 
 from inferlab.engine import speculative
-from inferlab.engine.drafters import ModelDrafter, ModelRunner, NgramDrafter, lookup_continuation
+from inferlab.engine.drafters import ModelDrafter, NgramDrafter, lookup_continuation
+from inferlab.engine.model_runner import SlotRunner
 from inferlab.engine.sampling import SamplingParams, probabilities
 from inferlab.engine.speculative import Speculation, speculative_generate
 from inferlab.model.transformer import Transformer
@@ -103,7 +104,7 @@ def test_rollback_leaves_no_stale_kv(target, drafter_kind):
     context = prompt + session.tokens
     runners = [session.sequence] + ([session.draft.runner] if drafter_kind == "model" else [])
     for runner in runners:
-        fresh = ModelRunner(runner.model, 80)
+        fresh = SlotRunner.alone(runner.model, 80)
         n = runner.length
         fresh.forward(context[:n])
         torch.testing.assert_close(runner.cache.k[:, :, :, :n], fresh.cache.k[:, :, :, :n], atol=1e-5, rtol=1e-4)

@@ -10,8 +10,9 @@ import torch
 from conftest import tiny_engine, tiny_model
 
 from inferlab.api import load_engine
-from inferlab.engine.drafters import ModelDrafter, ModelRunner, NgramDrafter
+from inferlab.engine.drafters import ModelDrafter, NgramDrafter
 from inferlab.engine.engine import GenerationRequest, InferenceEngine
+from inferlab.engine.model_runner import SlotRunner
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.speculative import Speculation
 from inferlab.errors import ModelLoadError
@@ -108,7 +109,7 @@ def rows_are_batch_invariant(engine) -> bool:
     call of several (csrc/gemv.h): only then can a K+1-row verification reproduce plain decoding exactly."""
     if engine.fused is None:
         return False
-    runners = [ModelRunner(engine.model, 64, engine.fused) for _ in range(2)]
+    runners = [SlotRunner.alone(engine.model, 64, engine.fused) for _ in range(2)]
     for runner in runners:
         runner.forward(list(range(100, 140)))  # after a short prefix every row happened to agree
     rows = [7, 8, 9, 10]
@@ -234,7 +235,7 @@ def test_verification_continues_the_engines_own_sequence(tiny_tokenizer, cache_m
     assert 0 < session.stats.accepted < session.stats.proposed  # kept drafts, and rejected ones to drop
     n = session.cached
     assert seq.length == n == len(prompt) + len(session.tokens) - 1  # all but the last token, fed next round
-    fresh = ModelRunner(engine.model, 80)
+    fresh = SlotRunner.alone(engine.model, 80)
     fresh.forward((prompt + session.tokens)[:n])
     for got, want in zip(sequence_kv(engine, seq, n), (fresh.cache.k[:, 0, :, :n], fresh.cache.v[:, 0, :, :n])):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

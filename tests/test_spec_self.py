@@ -151,7 +151,7 @@ def test_draft_cache_after_rollbacks_equals_a_fresh_prefill(tiny_tokenizer):
     of another token, would be off by the values' own size)."""
     if not cpu_gemv_available():
         pytest.skip("no AVX2 CPU or no C++ toolchain here")
-    from inferlab.engine.drafters import ModelRunner
+    from inferlab.engine.model_runner import SlotRunner
     from inferlab.engine.sampling import SamplingParams
 
     config = spec_config("self", min_confidence=0.0, k=4, draft_int8_from_rows=1)
@@ -166,7 +166,7 @@ def test_draft_cache_after_rollbacks_equals_a_fresh_prefill(tiny_tokenizer):
     assert session.stats.accepted < session.stats.proposed
     runner = session.draft.runner
     n = runner.length
-    fresh = ModelRunner(runner.model, 80, runner.fused)
+    fresh = SlotRunner.alone(runner.model, 80, runner.fused)
     fresh.forward((prompt + session.tokens)[:n])
     for got, want in ((runner.cache.k, fresh.cache.k), (runner.cache.v, fresh.cache.v)):
         assert want[:, :, :, :n].abs().mean() > 0.1

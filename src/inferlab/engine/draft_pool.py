@@ -1,6 +1,6 @@
 """Drafting for every sequence of an engine-loop step: each one's next K tokens, the draft model batched.
 
-One draft step of all the sequences still drafting is ONE flat forward (engine/flat.py, on the draft's
+One draft step of all the sequences still drafting is ONE flat forward (engine/model_runner.py, on the draft's
 fused C++ step where it has one, in groups of the rows that step covers); a sequence stops drafting at
 its own K or after a proposal the draft gives less than `min_confidence`. Where the draft's KV lives:
 - spec=self (the target's own weights at fewer bits): in the target's own blocks. The draft attends over
@@ -24,10 +24,10 @@ from torch import Tensor
 
 from inferlab.engine.adaptive_k import StepCost
 from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, Proposal, pick_draft_token
-from inferlab.engine.flat import FlatBatch, Segment, forward_flat
 from inferlab.engine.kv.block_manager import BlockManager, BlockTable
 from inferlab.engine.kv.contiguous import compute_kv_cache_bytes
 from inferlab.engine.kv.paged import PagedKVCache
+from inferlab.engine.model_runner import FlatBatch, Segment, forward_flat
 from inferlab.engine.sequence import Request
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.adaptive_k import Calibration
-from inferlab.engine.kv.contiguous import CachedAttend, KVCache
+from inferlab.engine.model_runner import SlotRunner
 from inferlab.engine.sampling import SamplingParams, argmax_rows, draw, probabilities
 from inferlab.errors import ModelLoadError
 from inferlab.kernels.fused_decode import FusedDecode
@@ -32,45 +32,6 @@ from inferlab.quant.self_draft import self_draft
 
 MEASURE_CONTEXT = 32  # tokens before the timed steps (measure_cost)
 MEASURE_REPEATS = 8  # timed steps of each kind (measure_cost)
-
-
-class ModelRunner:
-    """One sequence's forward passes over a single-slot KV cache. Rollback = lowering `length`.
-
-    Entries past `length` are stale and get overwritten by the next forward; nothing is copied.
-    With `fused` (the target's C++ step), forwards of up to FUSED_MAX_ROWS tokens run as one call.
-    """
-
-    def __init__(self, model: Transformer, capacity: int, fused: FusedDecode | None = None) -> None:
-        self.model, self.fused = model, fused
-        self.device = model.rope_cos.device
-        if capacity > model.config.max_seq_len:
-            raise ValueError(f"sequence of {capacity} tokens exceeds the model's context {model.config.max_seq_len}")
-        self.cache = KVCache(model.config, 1, capacity, model.rope_cos.dtype, self.device)
-        self.length = 0  # tokens whose KV is valid
-        self.block_table = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # the one slot is one block
-
-    @torch.inference_mode()
-    def forward(self, token_ids: list[int], last_only: bool = False) -> Tensor:
-        """Append `token_ids` at `length`; logits (T, vocab), or (1, vocab) with `last_only`."""
-        n = len(token_ids)
-        if self.fused is not None and self.fused.covers(n):
-            logits = self.fused.extend(token_ids, self.cache.k, self.cache.v, self.block_table, self.length, last_only)
-        else:
-            tokens = torch.tensor([token_ids], device=self.device)
-            positions = torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
-            logits = self.model(tokens, positions, CachedAttend(self.cache, self.length, n), last_only=last_only)[0]
-        self.length += n
-        return logits
-
-    def verify_rows(self, token_ids: list[int]) -> Tensor:
-        """As a speculative target (engine/speculative.py's TargetSequence): every row's logits, kept by `keep`."""
-        logits = self.forward(token_ids)
-        self.length -= len(token_ids)
-        return logits
-
-    def keep(self, n: int) -> None:
-        self.length += n
 
 
 @dataclass
@@ -178,7 +139,7 @@ class ModelDrafter(Drafter):
     int8_from_rows: int = 0  # its fused steps of this many rows or more take int8 activation codes (FusedDecode.build)
 
     def start(self, capacity: int) -> DraftState:
-        return ModelDraftState(ModelRunner(self.model, capacity, self.fused), self.min_confidence)
+        return ModelDraftState(SlotRunner.alone(self.model, capacity, self.fused), self.min_confidence)
 
     def models(self) -> list[Transformer]:
         return [self.model]
@@ -206,7 +167,7 @@ def timed_lines(models: list[tuple[Transformer, FusedDecode | None]], rows: int)
     steps ran read as a draft step costing 1.05 fp32 target steps one load and 0.15 the next; the fastest of each,
     0.1-0.6 on a busy machine). Bytes are not the whole cost: SmolLM2's int4 self draft reads 0.8x an int8 target's
     bytes but measured 1.03x its step (AVX-512)."""
-    runners = [ModelRunner(model, MEASURE_CONTEXT + rows, fused) for model, fused in models]
+    runners = [SlotRunner.alone(model, MEASURE_CONTEXT + rows, fused) for model, fused in models]
     for runner in runners:
         runner.forward(list(range(MEASURE_CONTEXT)), last_only=True)
     runs = [functools.partial(runner.verify_rows, [1] * n) for runner in runners for n in (1, rows)]
@@ -233,7 +194,7 @@ def line(one: float, many: float, rows: int) -> tuple[float, float]:
 
 @dataclass
 class ModelDraftState(DraftState):
-    runner: ModelRunner
+    runner: SlotRunner
     min_confidence: float = 0.0
     calls: int = field(default=0)
 

@@ -1,7 +1,7 @@
 """The engine loop: one thread owns the model and the KV memory and runs steps while there is work.
 
 One step = schedule -> run -> sample -> stream. The scheduler picks every running sequence's decode
-token and prompt chunks up to its token budget; they run as ONE flat forward (engine/flat.py); each
+token and prompt chunks up to its token budget; they run as ONE flat forward (engine/model_runner.py); each
 request whose tokens are all in samples its next token through its own sampling state; its events go
 to its `emit`, which hands them to whoever waits (an asyncio queue for the server, a plain queue for
 `generate`). Requests come and go from any thread (`add`, `cancel`); only this thread touches tensors.
@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from inferlab.engine.flat import FlatBatch, Segment, forward_flat, runs_fused
 from inferlab.engine.kv.block_manager import BlockManager
 from inferlab.engine.kv.paged import PagedKVCache
+from inferlab.engine.model_runner import FlatBatch, Segment, forward_flat, runs_fused
 from inferlab.engine.runtime.mailbox import batched
 from inferlab.engine.runtime.step_stats import StepStats
 from inferlab.engine.runtime.threads import StepTeam, StepThreads

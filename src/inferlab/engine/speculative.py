@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.adaptive_k import Acceptance, AdaptiveK
-from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, ModelRunner, Proposal, build_drafter
+from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, Proposal, build_drafter
+from inferlab.engine.model_runner import SlotRunner
 from inferlab.engine.sampling import SamplingParams, argmax_rows, draw, probabilities
 from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.kernels.fused_decode import FusedDecode
@@ -33,7 +34,7 @@ from inferlab.model.transformer import Transformer
 
 
 class TargetSequence(Protocol):
-    """The target's KV state of one sequence (the engine's Sequence, or a ModelRunner)."""
+    """The target's KV state of one sequence (the engine's Sequence, or a SlotRunner)."""
 
     def verify_rows(self, token_ids: list[int]) -> Tensor:
         """The KV of `token_ids` written after the kept tokens; logits (n, vocab), none kept yet."""
@@ -229,7 +230,7 @@ class Speculation:
         if prefilled is None:
             # the target is fed at most the prompt, the generated tokens but the last, and the drafts of a round
             # whose size is capped by what is left to generate: prompt + max_new_tokens positions suffice
-            runner = ModelRunner(target, len(prompt_ids) + max_new_tokens, fused)
+            runner = SlotRunner.alone(target, len(prompt_ids) + max_new_tokens, fused)
             prefilled = runner.forward(list(prompt_ids), last_only=True)[-1], runner
         first_logits, sequence = prefilled
         draft = self.drafter.start(len(prompt_ids) + max_new_tokens)

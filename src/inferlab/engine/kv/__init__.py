@@ -4,5 +4,5 @@ contiguous.py: pre-allocated slots of max_seq_len positions (KVCache, the seed's
 paged.py: one pool of fixed-size blocks read and written through block tables; block_manager.py: which
 sequence holds which blocks; prefix_cache.py: full blocks found again by the tokens they hold; int8.py: KV rows
 as int8 codes and a scale. Nothing here runs a model: the forwards that fill this memory are the model runner's
-(engine/flat.py).
+(engine/model_runner.py).
 """

@@ -3,7 +3,7 @@
 A sequence's KV no longer needs one region sized for the longest possible sequence: it holds
 ceil(tokens / block_size) blocks anywhere in the pool, so many more sequences fit in the same memory.
 The contiguous cache has the same layout with one max_seq_len block per slot, so the flat forward
-(engine/flat.py) serves both, and batches of sequences of different lengths work the same over either.
+(engine/model_runner.py) serves both, and batches of sequences of different lengths work the same over either.
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-from inferlab.engine.flat import FlatBatch, Segment, forward_flat, forward_paged
 from inferlab.engine.kv.block_manager import BlockManager, BlockTable
-from inferlab.engine.kv.contiguous import CachedAttend, SlotPool
+from inferlab.engine.kv.contiguous import SlotPool
 from inferlab.engine.kv.paged import PagedKVCache
+from inferlab.engine.model_runner import FlatBatch, Segment, SlotRunner, forward_flat, forward_paged
 from inferlab.errors import CapacityError
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer, causal_attend
@@ -31,8 +31,10 @@ class Sequence(ABC):
     through the step that decodes one token here; `keep(n)` then keeps the first n of them.
     """
 
+    length: int  # tokens whose KV the state holds
+
     def __init__(self, model: Transformer, device: torch.device) -> None:
-        self.model, self.device, self.length = model, device, 0
+        self.model, self.device = model, device
 
     @abstractmethod
     def forward(self, token_ids: list[int]) -> Tensor: ...
@@ -48,35 +50,27 @@ class Sequence(ABC):
 
 
 class CachedSequence(Sequence):
+    """A request's KV in one slot of the contiguous cache, written by the model runner's SlotRunner."""
+
     def __init__(
         self, model: Transformer, device: torch.device, pool: SlotPool, n_tokens: int, fused: FusedDecode | None = None
     ) -> None:
         super().__init__(model, device)
-        self.pool, self.slot, self.fused = pool, pool.allocate(n_tokens), fused
-        self.block_table = torch.tensor([[self.slot]], device=device)  # the slot is one max_seq_len block
+        self.pool, self.slot = pool, pool.allocate(n_tokens)
+        self.runner = SlotRunner(model, pool.cache, self.slot, fused)
+
+    @property
+    def length(self) -> int:
+        return self.runner.length
 
     def forward(self, token_ids: list[int]) -> Tensor:
-        logits = self._write(token_ids, last_only=True)
-        self.length += len(token_ids)
-        return logits[-1]
+        return self.runner.forward(token_ids, last_only=True)[-1]
 
     def verify_rows(self, token_ids: list[int]) -> Tensor:
-        return self._write(token_ids, last_only=False)
+        return self.runner.verify_rows(token_ids)
 
     def keep(self, n: int) -> None:
-        self.length += n
-
-    def _write(self, token_ids: list[int], last_only: bool) -> Tensor:
-        """The KV of `token_ids` at `length`.. written; logits (n, vocab), or the last row's with `last_only`
-        (the Python model then runs the head on that row alone)."""
-        n = len(token_ids)
-        if self.fused is not None and self.fused.covers(n):
-            cache = self.pool.cache
-            return self.fused.extend(token_ids, cache.k, cache.v, self.block_table, self.length, last_only)
-        tokens = torch.tensor([token_ids], device=self.device)
-        positions = torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
-        attend = CachedAttend(self.pool.cache, self.length, n, slice(self.slot, self.slot + 1))
-        return self.model(tokens, positions, attend, last_only=last_only)[0]
+        self.runner.keep(n)
 
     def release(self) -> None:
         if self.slot is not None:
@@ -89,6 +83,7 @@ class RecomputeSequence(Sequence):
         super().__init__(model, device)
         self.token_ids: list[int] = []
         self.pending: list[int] = []  # the last verify_rows' tokens
+        self.length = 0
 
     def forward(self, token_ids: list[int]) -> Tensor:
         self.token_ids += token_ids

@@ -1,11 +1,16 @@
-"""One engine step as one forward: the new tokens of many sequences packed flat, one after another, no padding.
+"""The model runner: every forward that writes KV and returns logits, over the paged pool or one contiguous slot.
 
-vLLM V1's shape of a step: every running sequence's decode token and other sequences' prompt chunks
-are the N rows of one batch, each row with its own position and its sequence's block table. Every
-linear layer is then one matrix product over all N rows; attention writes every row's k/v at its
-block and offset first, then attends each sequence's rows over that sequence's keys, causally from
-its own start. The fused C++ step takes the same rows (each row attends over its table up to its
-position, after every row's k/v is written), so decode rows and prompt chunks mix in one call either way.
+The flat forward (`forward_flat`) is vLLM V1's shape of a step: every running sequence's decode token and other
+sequences' prompt chunks are the N rows of one batch, each row with its own position and its sequence's block
+table. Every linear layer is then one matrix product over all N rows; attention writes every row's k/v at its
+block and offset first, then attends each sequence's rows over that sequence's keys, causally from its own start.
+The fused C++ step takes the same rows (each row attends over its table up to its position, after every row's k/v
+is written), so decode rows and prompt chunks mix in one call either way. The engine loop's steps, the batched
+draft steps of speculation and the reference path's paged sequences all run through it.
+
+`SlotRunner` is the one forward of a sequence held in a slot of the contiguous cache: the reference path's
+contiguous sequences, and each sequence that needs a KV cache of its own outside any pool (a draft model's when
+one request speculates alone, the target of `speculative_generate`, the load-time timing of steps).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from inferlab.engine.kv.contiguous import CachedAttend, KVCache
 from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.engine.runtime.step_stats import StepStats
 from inferlab.kernels.attention import decode_attention
@@ -209,3 +215,50 @@ def forward_paged(
     last logits (B, vocab)."""
     segments = [Segment(t, s, b) for t, s, b in zip(new_tokens, starts, block_tables)]
     return forward_flat(model, cache, FlatBatch.pack(segments, cache.k.device), fused)
+
+
+class SlotRunner:
+    """One sequence's forwards over one slot of a contiguous KVCache: the KV of new tokens written at `length` on.
+
+    Rollback = lowering `length`: entries past it are stale and the next forward overwrites them; nothing is copied.
+    With `fused` (a C++ step of the model), forwards of as many tokens as it covers run as one call of it.
+    """
+
+    def __init__(self, model: Transformer, cache: KVCache, slot: int = 0, fused: FusedDecode | None = None) -> None:
+        self.model, self.cache, self.slot, self.fused = model, cache, slot, fused
+        self.device = cache.k.device
+        self.length = 0  # tokens whose KV is valid
+        self.block_table = torch.tensor([[slot]], device=self.device)  # the slot is one max_seq_len block
+
+    @classmethod
+    def alone(cls, model: Transformer, capacity: int, fused: FusedDecode | None = None) -> SlotRunner:
+        """A runner over a one-slot cache of its own, `capacity` tokens long, in the model's dtype."""
+        if capacity > model.config.max_seq_len:
+            raise ValueError(f"sequence of {capacity} tokens exceeds the model's context {model.config.max_seq_len}")
+        device, dtype = model.rope_cos.device, model.rope_cos.dtype
+        return cls(model, KVCache(model.config, 1, capacity, dtype, device), 0, fused)
+
+    def forward(self, token_ids: list[int], last_only: bool = False) -> Tensor:
+        """Append `token_ids` at `length`; logits (T, vocab), or (1, vocab) with `last_only` (the Python model then
+        runs the head on that row alone)."""
+        logits = self._write(token_ids, last_only)
+        self.length += len(token_ids)
+        return logits
+
+    def verify_rows(self, token_ids: list[int]) -> Tensor:
+        """As a speculative target (engine/speculative.py's TargetSequence): every row's logits, none kept until `keep`."""
+        return self._write(token_ids, last_only=False)
+
+    def keep(self, n: int) -> None:
+        self.length += n
+
+    @torch.inference_mode()
+    def _write(self, token_ids: list[int], last_only: bool) -> Tensor:
+        """The KV of `token_ids` written at `length`..; their logits."""
+        n = len(token_ids)
+        if self.fused is not None and self.fused.covers(n):
+            return self.fused.extend(token_ids, self.cache.k, self.cache.v, self.block_table, self.length, last_only)
+        tokens = torch.tensor([token_ids], device=self.device)
+        positions = torch.arange(self.length, self.length + n, device=self.device).unsqueeze(0)
+        attend = CachedAttend(self.cache, self.length, n, slice(self.slot, self.slot + 1))
+        return self.model(tokens, positions, attend, last_only=last_only)[0]
