@@ -17,7 +17,7 @@ from torch import nn
 from inferlab.engine.engine import EngineConfig, InferenceEngine
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
-from inferlab.engine.speculative import build_speculation
+from inferlab.engine.spec.build import build_speculation
 from inferlab.kernels.build import active_isa, load_isa, use_isa
 from inferlab.kernels.isa import ISAS, cpu_flags, supported_isas
 from inferlab.kernels.select import select_kernels

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from inferlab.engine.adaptive_k import (
+from inferlab.engine.spec.adaptive_k import (
     BACKOFF,
     MAX_AGE,
     MIN_SAMPLES,
     ROUNDS,
     WINDOW,
     AdaptiveK,
-    Calibration,
     StepCost,
     StepYields,
     best_k,
     expected_tokens,
     plan_k,
 )
+from inferlab.engine.spec.calibration import Calibration
 
 
 def brute_force_k(acceptance: float, draft_cost: float, max_k: int) -> int:

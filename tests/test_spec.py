@@ -8,11 +8,12 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from inferlab.engine import speculative
-from inferlab.engine.drafters import ModelDrafter, NgramDrafter, lookup_continuation
 from inferlab.engine.model_runner import SlotRunner
 from inferlab.engine.sampling import SamplingParams, probabilities
-from inferlab.engine.speculative import Speculation, speculative_generate
+from inferlab.engine.spec import acceptance
+from inferlab.engine.spec.draft_model import ModelDrafter
+from inferlab.engine.spec.proposers import NgramDrafter, lookup_continuation
+from inferlab.engine.spec.session import Speculation, speculative_generate
 from inferlab.model.transformer import Transformer
 from inferlab.quant.self_draft import self_draft
 
@@ -211,7 +212,7 @@ def resample_from_target(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def test_biased_rule_is_detected(toy_pair, monkeypatch, rule):
     """The same test, run with a deliberately wrong rule, must reject: it has the power to see a bias."""
     biased = {"acceptance_probability": accept_too_often, "residual_distribution": resample_from_target}[rule]
-    monkeypatch.setattr(speculative, rule, biased)
+    monkeypatch.setattr(acceptance, rule, biased)
     target, draft, exact = toy_pair
     counts = sample_sequences(target, draft, TOY_PROMPT, N_TOY, 3, K=2, temperature=1.0)
     assert chi_square_pvalue(counts, exact, N_TOY) < 1e-6

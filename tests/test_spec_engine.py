@@ -10,11 +10,12 @@ import torch
 from conftest import tiny_engine, tiny_model
 
 from inferlab.api import load_engine
-from inferlab.engine.drafters import ModelDrafter, NgramDrafter
 from inferlab.engine.engine import GenerationRequest, InferenceEngine
 from inferlab.engine.model_runner import SlotRunner
 from inferlab.engine.sampling import SamplingParams
-from inferlab.engine.speculative import Speculation
+from inferlab.engine.spec.draft_model import ModelDrafter
+from inferlab.engine.spec.proposers import NgramDrafter
+from inferlab.engine.spec.session import Speculation
 from inferlab.errors import ModelLoadError
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.model.transformer import Transformer

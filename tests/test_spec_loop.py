@@ -16,13 +16,15 @@ from hypothesis import strategies as st
 from test_scheduler import assert_single_request_tokens, check_invariants, fake_request, operations, run_operations
 from test_spec import TOY_PROMPT, chi_square_pvalue, exact_sequence_probs, perturbed, toy_model
 
-from inferlab.engine.adaptive_k import BACKOFF, MAX_BACKOFF, MIN_SAMPLES, PRIOR, WEIGHT, Calibration, plan_k
-from inferlab.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch
 from inferlab.engine.sequence import Request
-from inferlab.engine.speculative import Speculation
+from inferlab.engine.spec.adaptive_k import BACKOFF, MAX_BACKOFF, MIN_SAMPLES, PRIOR, WEIGHT, plan_k
+from inferlab.engine.spec.calibration import Calibration
+from inferlab.engine.spec.draft_model import ModelDrafter
+from inferlab.engine.spec.proposers import Drafter, NgramDrafter
+from inferlab.engine.spec.session import Speculation
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.model.loader import LoadedModel
 from inferlab.model.transformer import Transformer

@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import tiny_engine, tiny_model
 
-from inferlab.engine.drafters import ModelDrafter
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.runtime.threads import StepThreads, omp_set_num_threads, on_own_thread
-from inferlab.engine.speculative import Speculation
+from inferlab.engine.spec.draft_model import ModelDrafter
+from inferlab.engine.spec.session import Speculation
 from inferlab.errors import EngineFailedError
 
 needs_two = pytest.mark.skipif(

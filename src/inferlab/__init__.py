@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from inferlab.engine.engine import Completion, GenerationRequest, InferenceEngine, StreamEvent, Timings
     from inferlab.engine.kv.contiguous import KVCache, compute_kv_cache_bytes
     from inferlab.engine.sampling import SamplingParams
-    from inferlab.engine.speculative import SpecResult, SpecStats, speculative_generate
+    from inferlab.engine.spec.session import SpecResult, SpecStats, speculative_generate
     from inferlab.model.config import ModelConfig
     from inferlab.model.transformer import Transformer
 
@@ -25,7 +25,7 @@ _HOMES = {
     ),
     **dict.fromkeys(("KVCache", "compute_kv_cache_bytes"), "inferlab.engine.kv.contiguous"),
     "SamplingParams": "inferlab.engine.sampling",
-    **dict.fromkeys(("SpecResult", "SpecStats", "speculative_generate"), "inferlab.engine.speculative"),
+    **dict.fromkeys(("SpecResult", "SpecStats", "speculative_generate"), "inferlab.engine.spec.session"),
     "ModelConfig": "inferlab.model.config",
     "Transformer": "inferlab.model.transformer",
 }

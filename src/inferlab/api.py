@@ -17,7 +17,7 @@ from inferlab.engine.runtime.cpus import cpu_grant
 from inferlab.engine.runtime.threads import StepThreads, on_own_thread
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import SchedulerConfig
-from inferlab.engine.speculative import build_speculation
+from inferlab.engine.spec.build import build_speculation
 from inferlab.errors import InvalidRequestError, ModelLoadError
 from inferlab.kernels.select import choose_isa, select_kernels
 from inferlab.model.gguf_loader import release_gguf

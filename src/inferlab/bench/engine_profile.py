@@ -33,7 +33,7 @@ PROFILE_COLUMNS = (
 )
 
 
-# With speculation on (engine/spec_batch.py), over the same load: tokens per target round of a sequence (1 where it
+# With speculation on (engine/spec/in_loop.py), over the same load: tokens per target round of a sequence (1 where it
 # decodes plainly), draft tokens it proposed per round (adaptive K's mean, its plain rounds included), and the share
 # of the proposed drafts the target kept (0 when none was proposed)
 SPEC_COLUMNS = ("tokens_per_target_call", "drafts_per_round", "spec_acceptance")

@@ -2,7 +2,7 @@
 
 On the paged cache every way in (`generate`, `chat`, `stream_generate`, `submit`, `generate_batch`)
 goes through the engine loop (engine/loop.py: schedule -> one flat forward -> sample -> stream),
-batched with whatever else runs, speculation included (engine/spec_batch.py). The single-sequence reference (engine/single.py: `prefill`,
+batched with whatever else runs, speculation included (engine/spec/in_loop.py). The single-sequence reference (engine/single.py: `prefill`,
 `decode_step`) serves `generate` on the contiguous cache and cache=none (recomputed in full at every
 step, the baseline the KV-cache study measures against); `generate_batch` on the contiguous cache runs
 the seed's left-padded static batch; off the engine loop, speculative decoding runs one request at a time.
@@ -22,7 +22,6 @@ from queue import SimpleQueue
 import torch
 from torch import Tensor
 
-from inferlab.engine.draft_pool import loop_drafts
 from inferlab.engine.kv.block_manager import BlockManager
 from inferlab.engine.kv.contiguous import KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.kv.paged import PagedKVCache
@@ -36,8 +35,9 @@ from inferlab.engine.runtime.threads import StepThreads, on_own_thread
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent, Timings
-from inferlab.engine.spec_batch import LoopSpeculation
-from inferlab.engine.speculative import Speculation, stream_events
+from inferlab.engine.spec.draft_model import loop_drafts
+from inferlab.engine.spec.in_loop import LoopSpeculation
+from inferlab.engine.spec.session import Speculation, stream_events
 from inferlab.engine.stop import TextStream
 from inferlab.errors import CapacityError, InvalidRequestError
 from inferlab.kernels.attention import decode_attention_applies
@@ -311,7 +311,7 @@ class InferenceEngine:
         yield from events  # the last ones after the memory is back
 
     def _iter_speculative(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
-        """A drafter proposes, the target verifies K+1 positions per forward (engine/speculative.py)."""
+        """A drafter proposes, the target verifies K+1 positions per forward (engine/spec/session.py)."""
         self.check_prompt(prompt_ids)
         request = self._new_request(prompt_ids, params, emit=lambda item: None)  # events are yielded, not emitted
         with self._lock:  # the prompt runs exactly as without speculation: the verified rows continue its KV

@@ -6,7 +6,7 @@ request whose tokens are all in samples its next token through its own sampling 
 to its `emit`, which hands them to whoever waits (an asyncio queue for the server, a plain queue for
 `generate`). Requests come and go from any thread (`add`, `cancel`); only this thread touches tensors.
 With speculation on, each decode's segment also carries its sequence's drafts, and "sample" verifies
-them (engine/spec_batch.py): several tokens per sequence per step, the same tokens as without.
+them (engine/spec/in_loop.py): several tokens per sequence per step, the same tokens as without.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from inferlab.engine.runtime.threads import StepTeam, StepThreads
 from inferlab.engine.sampling import argmax_rows
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
 from inferlab.engine.sequence import Request, StreamEvent
-from inferlab.engine.spec_batch import LoopSpeculation
+from inferlab.engine.spec.in_loop import LoopSpeculation
 from inferlab.errors import EngineFailedError, GenerationError
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer

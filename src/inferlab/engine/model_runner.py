@@ -246,7 +246,7 @@ class SlotRunner:
         return logits
 
     def verify_rows(self, token_ids: list[int]) -> Tensor:
-        """As a speculative target (engine/speculative.py's TargetSequence): every row's logits, none kept until `keep`."""
+        """As a speculative target (spec/session.py's TargetSequence): every row's logits, none kept until `keep`."""
         return self._write(token_ids, last_only=False)
 
     def keep(self, n: int) -> None:

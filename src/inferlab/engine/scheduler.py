@@ -55,7 +55,7 @@ class Scheduler:
     def __init__(
         self, blocks: BlockManager, config: SchedulerConfig, drafts_wanted: DraftsWanted | None = None
     ) -> None:
-        """`drafts_wanted`: with speculation on, each decode's K (engine/spec_batch.py); None: no drafts."""
+        """`drafts_wanted`: with speculation on, each decode's K (engine/spec/in_loop.py); None: no drafts."""
         self.blocks, self.config, self.drafts_wanted = blocks, config, drafts_wanted
         self.waiting: list[Request] = []  # ordered by (priority, arrival)
         self.running: list[Request] = []  # in admission order

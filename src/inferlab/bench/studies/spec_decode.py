@@ -23,7 +23,8 @@ from inferlab.bench.prompts import corpus_ids
 from inferlab.bench.studies import Rows, register
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.runtime.threads import on_own_thread
-from inferlab.engine.speculative import Speculation, build_speculation
+from inferlab.engine.spec.build import build_speculation
+from inferlab.engine.spec.session import Speculation
 from inferlab.errors import ModelLoadError
 from inferlab.kernels.select import select_kernels
 

@@ -26,7 +26,7 @@ from inferlab.model.transformer import Transformer, causal_attend
 class Sequence(ABC):
     """One request's KV state. `forward(new_ids)` appends tokens and returns the last position's logits.
 
-    Speculative decoding verifies through the state the prompt was prefilled into (engine/speculative.py):
+    Speculative decoding verifies through the state the prompt was prefilled into (engine/spec/session.py):
     `verify_rows(ids)` writes the KV of tokens after the kept ones and returns every row's logits, each
     through the step that decodes one token here; `keep(n)` then keeps the first n of them.
     """
@@ -58,19 +58,19 @@ class CachedSequence(Sequence):
         super().__init__(model, device)
         self.pool, self.slot = pool, pool.allocate(n_tokens)
         self.runner = SlotRunner(model, pool.cache, self.slot, fused)
-
-    @property
-    def length(self) -> int:
-        return self.runner.length
+        self.length = 0
 
     def forward(self, token_ids: list[int]) -> Tensor:
-        return self.runner.forward(token_ids, last_only=True)[-1]
+        logits = self.runner.forward(token_ids, last_only=True)
+        self.length = self.runner.length
+        return logits[-1]
 
     def verify_rows(self, token_ids: list[int]) -> Tensor:
         return self.runner.verify_rows(token_ids)
 
     def keep(self, n: int) -> None:
         self.runner.keep(n)
+        self.length = self.runner.length
 
     def release(self) -> None:
         if self.slot is not None:

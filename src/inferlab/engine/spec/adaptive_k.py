@@ -4,7 +4,7 @@ If each draft token is accepted with probability a, a round of k drafts emits 1 
 on average (the accepted run plus the target's own token) and costs one target step of k + 1 rows (the
 verification: on a CPU its rows read the weights once, like a decode step, plus each row's arithmetic) and
 k draft steps: 1 + k * `draft_cost` one-row target steps, a draft token costing its draft step and its
-verified row (Calibration, timed at load; the draft's bytes over the target's before that). Each round takes
+verified row (spec/calibration.py's Calibration, timed at load; the draft's bytes over the target's before that). Each round takes
 the k in 0..max_k with the most tokens per unit of cost (Leviathan et al. 2023, section 3.4). a is a running
 estimate per sequence: text the draft knows well gets long rounds, text it does not gets short ones.
 When even k = 1 costs more than it brings (a < the draft token's cost), the sequence decodes plainly for BACKOFF
@@ -78,7 +78,7 @@ class Acceptance:
 
 @dataclass(kw_only=True)
 class AdaptiveK(Acceptance):
-    """One sequence's K per round, speculating alone (engine/speculative.py)."""
+    """One sequence's K per round, speculating alone (spec/session.py)."""
 
     max_k: int
     draft_cost: float  # one draft token (its draft step and its verified row), in target steps
@@ -109,22 +109,6 @@ def best_k(acceptance: float, draft_cost: float, max_k: int) -> int:
         if rates[k] > rates[best] * (1 + 1e-9):
             best = k
     return best
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """A drafter's costs timed at load (its measure_cost: drafters.timed_lines), what adaptive K counts until the
-    engine loop has timed its own: a target step of `rows` rows takes a + b * rows seconds, a draft step of `rows`
-    rows draft_a + draft_b * rows (0 for a drafter without a model)."""
-
-    a: float
-    b: float
-    draft_a: float
-    draft_b: float
-
-    def token_cost(self) -> float:
-        """One draft token (its draft step and its verified row) of one sequence, in its one-row target steps."""
-        return (self.draft_a + self.draft_b + self.b) / (self.a + self.b)
 
 
 @dataclass

@@ -1,16 +1,15 @@
-"""Lossless speculative decoding: a drafter proposes K tokens, the target checks them in one forward.
+"""One request speculating alone, and what the engine holds for spec=ngram|draft|self.
 
-The target's prompt runs first, alone, exactly as without speculation (the engine's own prefill, through
-the same KV cache), and each round then feeds the last sampled token plus the K draft tokens through the
-step that decodes one token (TargetSequence): K+1 next-token distributions p from one forward. Where a
-row's result does not depend on how many rows its call has, greedy output is the very output of plain
-decoding, bit for bit; elsewhere it may differ where two logits tie within rounding. Draft
-token i is accepted with probability min(1, p_i/q_i); at the first rejection the round ends with a token
-drawn from the normalized residual max(0, p_i - q_i); if all K pass, a bonus token is drawn from p_K.
-This makes every emitted token distributed exactly as the target alone would sample it (Leviathan et
-al. 2023, Chen et al. 2023), and at temperature 0 reduces to "keep the draft while it equals the
-target's argmax". Both caches roll back by keeping a length; rejected entries are overwritten later.
-With `spec.adaptive`, each sequence picks its round's K from its own acceptance so far (engine/adaptive_k.py).
+The target's prompt runs first, alone, exactly as without speculation (the engine's own prefill, through the same
+KV cache), and each round then feeds the last sampled token plus the K draft tokens through the step that decodes
+one token (TargetSequence): K+1 next-token distributions from one forward, judged by the acceptance rule
+(spec/acceptance.py). Where a row's result does not depend on how many rows its call has, greedy output is the very
+output of plain decoding, bit for bit; elsewhere it may differ where two logits tie within rounding. Both caches
+roll back by keeping a length; rejected entries are overwritten later. With `spec.adaptive`, each sequence picks its
+round's K from its own acceptance so far (spec/adaptive_k.py).
+
+`Speculation` is what the engine holds: the drafter, K, and the counters over every request; `speculative_generate`
+(the contract) runs one request with a target and a draft, outside any engine.
 """
 
 from __future__ import annotations
@@ -18,17 +17,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from inferlab.engine.adaptive_k import Acceptance, AdaptiveK
-from inferlab.engine.drafters import Drafter, DraftState, ModelDrafter, Proposal, build_drafter
 from inferlab.engine.model_runner import SlotRunner
-from inferlab.engine.sampling import SamplingParams, argmax_rows, draw, probabilities
+from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.sequence import Request, StreamEvent
+from inferlab.engine.spec.acceptance import verify_proposal
+from inferlab.engine.spec.adaptive_k import Acceptance, AdaptiveK
+from inferlab.engine.spec.draft_model import ModelDrafter
+from inferlab.engine.spec.proposers import Drafter, DraftState
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer
 
@@ -84,57 +84,6 @@ class SpecResult:
     tokens: list[int]  # generated ids, without the end-of-sequence token
     finish_reason: str  # "stop" (an eos id) | "length"
     stats: SpecStats
-
-
-# ---- the acceptance rule -------------------------------------------------------------------------
-
-
-def acceptance_probability(p_draft: Tensor, q_draft: Tensor) -> Tensor:
-    """min(1, p/q) for each draft token, from the target's and the draft's probability of it. (k,) -> (k,)"""
-    return (p_draft / q_draft).clamp(max=1.0)
-
-
-def residual_distribution(p: Tensor, q: Tensor) -> Tensor:
-    """Where to resample after a rejection: normalized max(0, p - q). (vocab,) -> (vocab,)"""
-    residual = (p - q).clamp(min=0.0)
-    total = residual.sum()
-    return residual / total if total > 0 else p  # p == q up to rounding: a rejection had probability ~0
-
-
-def verify(p: Tensor, drafts: list[int], q: Tensor | None, generator: torch.Generator | None) -> tuple[int, int]:
-    """Rejection-sample the drafts against the target: (how many accepted, the token that ends the round).
-
-    p: (k+1, vocab) target distributions after each prefix; q: (k, vocab) the draft's, or None when the
-    drafts were deterministic (point masses: q(d) = 1, residual = p without d).
-    """
-    k = len(drafts)
-    d = torch.tensor(drafts, device=p.device, dtype=torch.long)
-    if q is None:
-        q = torch.zeros_like(p[:k]).scatter_(1, d.unsqueeze(1), 1.0)
-    rows = torch.arange(k, device=p.device)
-    accept = torch.rand(k, device=p.device, generator=generator) < acceptance_probability(p[rows, d], q[rows, d])
-    n = int(accept.long().cumprod(0).sum()) if k else 0
-    final = residual_distribution(p[n], q[n]) if n < k else p[k]
-    return n, draw(final, generator)
-
-
-def verify_greedy(target_logits: Tensor, drafts: list[int]) -> tuple[int, int]:
-    """Temperature 0: keep drafts while they equal the target's argmax, then emit the target's own choice."""
-    choice = argmax_rows(target_logits)  # (k+1,)
-    n = 0
-    while n < len(drafts) and drafts[n] == choice[n]:
-        n += 1
-    return n, choice[n]
-
-
-def verify_proposal(
-    logits: Tensor, proposal: Proposal, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[int, int]:
-    """The target's (k+1, vocab) logits against a proposal: (drafts accepted, the token that ends the round),
-    greedy at temperature 0, else rejection-sampled."""
-    if params.greedy:
-        return verify_greedy(logits, proposal.tokens)
-    return verify(probabilities(logits, params), proposal.tokens, proposal.probs, generator)
 
 
 # ---- one sequence --------------------------------------------------------------------------------
@@ -200,7 +149,7 @@ class Speculation:
     adaptive: bool = False
     totals: SpecStats = field(default_factory=SpecStats)  # over every request, for the engine's stats()
     # every round of the engine loop's sequences in one running estimate, where a new sequence's starts
-    # (engine/spec_batch.py): a drafter that agrees rarely (a small trained draft on free text, ~0.3) then does not
+    # (spec/in_loop.py): a drafter that agrees rarely (a small trained draft on free text, ~0.3) then does not
     # draft each new request's first rounds at a loss on the prior's 0.8 alone
     acceptance: Acceptance = field(default_factory=Acceptance)
 
@@ -249,19 +198,6 @@ class Speculation:
         )
 
 
-def build_speculation(
-    spec: dict[str, Any],
-    model_name: str,
-    target: Transformer,
-    dtype: torch.dtype,
-    device: torch.device,
-    gguf_path: Path | None = None,
-) -> Speculation | None:
-    """The resolved `spec` config group -> Speculation (None for spec=off)."""
-    drafter = build_drafter(spec, model_name, target, dtype, device, gguf_path)
-    return Speculation(drafter, int(spec["k"]), bool(spec["adaptive"])) if drafter is not None else None
-
-
 def stream_events(session: SpecSession, request: Request, lock: threading.Lock) -> Iterator[StreamEvent]:
     """The engine's events for one speculative request: each round's tokens as soon as they are verified."""
     while not request.finished:
@@ -287,7 +223,7 @@ def speculative_generate(
     adaptive: bool = False,
 ) -> SpecResult:
     """Generate with `draft_model` (a Transformer sharing the vocabulary, or any Drafter) proposing K tokens
-    (at most K per round with `adaptive`, engine/adaptive_k.py).
+    (at most K per round with `adaptive`, spec/adaptive_k.py).
 
     Stops after `max_new_tokens` or at an id in `eos_ids` (not included in the tokens).
     """

@@ -1,15 +1,15 @@
 """Speculation inside the engine loop: every decoding sequence drafts up to the step's K, and the step's one flat
 forward verifies them all.
 
-The scheduler asks the decodes' K in a step of decodes alone (`wanted`: engine/adaptive_k.py's plan_k, from the
+The scheduler asks the decodes' K in a step of decodes alone (`wanted`: spec/adaptive_k.py's plan_k, from the
 sequences' own acceptance so far, from what the loop's target steps and draft steps take by rows, and from what
 its whole steps at each K brought; at most spec.k; 0 in the step after a request ended, when its successor's
 prompt is likely on its way) and gives each room for that many draft tokens past its next one where the budget
-and free blocks allow (engine/scheduler.py); the drafter proposes within that room (engine/draft_pool.py: one
+and free blocks allow (engine/scheduler.py); the drafter proposes within that room (spec/draft_model.py: one
 draft forward per draft step for all the sequences). A drafted sequence's segment of the step is then its last
 token and its drafts, every row's logits wanted: K+1 next-token distributions. A sequence with no drafts this step (K = 0,
 or a drafter with nothing to propose) is a plain decode of the step, exactly as with speculation off. Each
-drafted sequence is rejection-sampled on its own with the acceptance rule of engine/speculative.py (at
+drafted sequence is rejection-sampled on its own with the acceptance rule of spec/acceptance.py (at
 temperature 0: the drafts kept while they equal the target's argmax), so its tokens are distributed exactly as
 without speculation. The KV of the fed token and the accepted drafts is
 counted (and, once a block is full, findable in the prefix cache); the rejected rows' KV is not, and the
@@ -24,24 +24,24 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from inferlab.engine.adaptive_k import (
+from inferlab.engine.kv.block_manager import BlockManager
+from inferlab.engine.scheduler import ScheduledBatch
+from inferlab.engine.sequence import Request, StreamEvent
+from inferlab.engine.spec.acceptance import verify_proposal
+from inferlab.engine.spec.adaptive_k import (
     BACKOFF,
     LOOP_MIN_GAIN,
     LOOP_SHORTER_WITHIN,
     MAX_BACKOFF,
     Acceptance,
-    Calibration,
     StepCost,
     StepYields,
     expected_tokens,
     plan_k,
 )
-from inferlab.engine.draft_pool import LoopDrafts
-from inferlab.engine.drafters import Proposal
-from inferlab.engine.kv.block_manager import BlockManager
-from inferlab.engine.scheduler import ScheduledBatch
-from inferlab.engine.sequence import Request, StreamEvent
-from inferlab.engine.speculative import SpecStats, Speculation, verify_proposal
+from inferlab.engine.spec.calibration import Calibration
+from inferlab.engine.spec.proposers import LoopDrafts, Proposal
+from inferlab.engine.spec.session import SpecStats, Speculation
 from inferlab.model.transformer import Transformer
 
 
