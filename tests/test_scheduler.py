@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from inferlab.engine.engine import GenerationRequest, InferenceEngine
 from inferlab.engine.kv.block_manager import BlockManager
 from inferlab.engine.kv.prefix_cache import PrefixCache
+from inferlab.engine.request import Request
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from inferlab.engine.sequence import Request
 from inferlab.errors import CapacityError, OverloadedError
 
 PREFIXES = [[1, 2, 3, 4, 5, 6], [9, 9, 9, 9], []]

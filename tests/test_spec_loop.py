@@ -17,9 +17,9 @@ from test_scheduler import assert_single_request_tokens, check_invariants, fake_
 from test_spec import TOY_PROMPT, chi_square_pvalue, exact_sequence_probs, perturbed, toy_model
 
 from inferlab.engine.engine import InferenceEngine
+from inferlab.engine.request import Request
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch
-from inferlab.engine.sequence import Request
 from inferlab.engine.spec.adaptive_k import BACKOFF, MAX_BACKOFF, MIN_SAMPLES, PRIOR, WEIGHT, plan_k
 from inferlab.engine.spec.calibration import Calibration
 from inferlab.engine.spec.draft_model import ModelDrafter

@@ -27,14 +27,14 @@ from inferlab.engine.kv.contiguous import KVCache, SlotPool, compute_kv_cache_by
 from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.engine.kv.prefix_cache import PrefixCache
 from inferlab.engine.loop import EngineLoop, FaultHook
-from inferlab.engine.reference.single import CachedSequence, PagedSequence, RecomputeSequence, Sequence
+from inferlab.engine.reference.single import CachedSequence, PagedSequence, RecomputeSequence, SingleSequence
 from inferlab.engine.reference.static_batch import LeftPaddedBatch, run_static_batch
+from inferlab.engine.request import Request, StreamEvent, Timings
 from inferlab.engine.runtime.cpus import CpuGrant
 from inferlab.engine.runtime.mailbox import mailbox
 from inferlab.engine.runtime.threads import StepThreads, on_own_thread
 from inferlab.engine.sampling import SamplingParams
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
-from inferlab.engine.sequence import Request, StreamEvent, Timings
 from inferlab.engine.spec.draft_model import loop_drafts
 from inferlab.engine.spec.in_loop import LoopSpeculation
 from inferlab.engine.spec.session import Speculation, stream_events
@@ -190,7 +190,7 @@ class InferenceEngine:
 
     # ---- the steps -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], reserve_tokens: int = 0) -> tuple[Tensor, Sequence]:
+    def prefill(self, prompt_ids: list[int], reserve_tokens: int = 0) -> tuple[Tensor, SingleSequence]:
         """Run the prompt; return the logits for the next token (vocab,) and the sequence's KV state.
 
         `reserve_tokens` is how many generated tokens the KV slot must also hold.
@@ -198,7 +198,7 @@ class InferenceEngine:
         self.check_prompt(prompt_ids)
         if self.config.cache_mode == "paged":
             self.blocks.check_fits(len(prompt_ids) + reserve_tokens)
-            seq: Sequence = PagedSequence(
+            seq: SingleSequence = PagedSequence(
                 self.model, self.config.device, self.paged, self.blocks, prompt_ids, self.fused
             )
         elif self.pool is None:
@@ -215,7 +215,7 @@ class InferenceEngine:
             raise
 
     @torch.inference_mode()
-    def decode_step(self, last_token_id: int, kv_cache: Sequence) -> Tensor:
+    def decode_step(self, last_token_id: int, kv_cache: SingleSequence) -> Tensor:
         """Feed one token; return the logits for the next one (vocab,)."""
         with self.team.step(1):
             return kv_cache.forward([last_token_id])

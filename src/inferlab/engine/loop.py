@@ -25,12 +25,12 @@ from torch import Tensor
 from inferlab.engine.kv.block_manager import BlockManager
 from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.engine.model_runner import FlatBatch, Segment, forward_flat, runs_fused
+from inferlab.engine.request import Request, StreamEvent
 from inferlab.engine.runtime.mailbox import batched
 from inferlab.engine.runtime.step_stats import StepStats
 from inferlab.engine.runtime.threads import StepTeam, StepThreads
 from inferlab.engine.sampling import argmax_rows
 from inferlab.engine.scheduler import Scheduler, SchedulerConfig
-from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.engine.spec.in_loop import LoopSpeculation
 from inferlab.errors import EngineFailedError, GenerationError
 from inferlab.kernels.fused_decode import FusedDecode

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inferlab.engine.kv.block_manager import BlockManager
-from inferlab.engine.sequence import Request
+from inferlab.engine.request import Request
 from inferlab.errors import OverloadedError
 
 

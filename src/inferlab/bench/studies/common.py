@@ -18,7 +18,7 @@ from torch import Tensor
 from inferlab.bench.prompts import make_prompts
 from inferlab.bench.studies import Rows, Study, StudyUnavailable
 from inferlab.engine.engine import InferenceEngine
-from inferlab.engine.reference.single import Sequence
+from inferlab.engine.reference.single import SingleSequence
 from inferlab.engine.sampling import argmax_rows
 from inferlab.kernels.build import use_isa
 from inferlab.kernels.huge_pages import zeros_on_huge_pages
@@ -56,7 +56,7 @@ def decode_times(engine: InferenceEngine, ids: list[int], steps: int) -> list[fl
         seq.release()
 
 
-def decode_loop(engine: InferenceEngine, seq: Sequence, logits: Tensor, steps: int) -> tuple[list[float], Tensor]:
+def decode_loop(engine: InferenceEngine, seq: SingleSequence, logits: Tensor, steps: int) -> tuple[list[float], Tensor]:
     """`steps` greedy decode steps on `seq` from `logits`; each step's seconds and the last logits. The token is
     picked as the engine's greedy sampling picks it (argmax_rows), so a profile over this loop shows what serving
     spends between steps, not torch's slower argmax."""

@@ -37,7 +37,7 @@ from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.bench.studies.common import prompt_ids, read_bandwidth_gb_s, sync
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.kv.contiguous import compute_kv_cache_bytes
-from inferlab.engine.reference.single import PagedSequence, Sequence, forward_together
+from inferlab.engine.reference.single import PagedSequence, SingleSequence, forward_together
 from inferlab.engine.sampling import argmax_rows
 from inferlab.model.transformer import Transformer
 from inferlab.quant.apply import module_bytes
@@ -70,7 +70,7 @@ class Decoding:
     """`seqs` decoding greedy tokens together, one flat forward a step (one sequence: the engine's decode step)."""
 
     engine: InferenceEngine
-    seqs: list[Sequence]
+    seqs: list[SingleSequence]
     logits: Tensor  # (len(seqs), vocab): their last step's
     paged: list[PagedSequence] = field(init=False)  # seqs, when several (they decode together on cache=paged)
 
@@ -131,7 +131,7 @@ def run(cfg: DictConfig) -> Rows:
 def start_decoding(cfg: DictConfig, engine: InferenceEngine, batch: int, first_seed: int, steps: int) -> Decoding:
     """`batch` sequences after prompts of `measure.prompt_tokens` of their own (seeds first_seed on), with room for
     `steps` decode steps."""
-    seqs: list[Sequence] = []
+    seqs: list[SingleSequence] = []
     logits: list[Tensor] = []
     try:
         for b in range(batch):

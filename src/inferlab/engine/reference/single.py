@@ -1,10 +1,11 @@
 """One request at a time, outside the engine loop: the single-sequence reference path.
 
-A `Sequence` holds one request's KV state: a slot of the contiguous cache, blocks of the paged pool, or
-(cache=none) just its token ids, recomputed in full at every step as the baseline the KV-cache study
-measures against. `InferenceEngine.prefill` / `decode_step` (the contract) drive one; so do the studies
-that time a single stream's steps, and `generate` on the contiguous cache and on cache=none. Paged sequences
-also decode together, one flat forward for all (`forward_together`: the profile study's batched steps).
+A `SingleSequence` is one request's KV state on this path (what `InferenceEngine.prefill` returns and
+`decode_step` takes as its `kv_cache`, the contract): a slot of the contiguous cache (`CachedSequence`), blocks of
+the paged pool (`PagedSequence`), or, with cache=none, just its token ids, recomputed in full at every step
+(`RecomputeSequence`, the baseline the KV-cache study measures against). The studies that time a single stream's
+steps drive one, and so does `generate` on the contiguous cache and on cache=none. Paged sequences also decode
+together, one flat forward for all (`forward_together`: the profile study's batched steps).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.transformer import Transformer, causal_attend
 
 
-class Sequence(ABC):
-    """One request's KV state. `forward(new_ids)` appends tokens and returns the last position's logits.
+class SingleSequence(ABC):
+    """One request's KV state on the single-sequence path. `forward(new_ids)` appends tokens and returns the last
+    position's logits.
 
     Speculative decoding verifies through the state the prompt was prefilled into (engine/spec/session.py):
     `verify_rows(ids)` writes the KV of tokens after the kept ones and returns every row's logits, each
@@ -49,7 +51,7 @@ class Sequence(ABC):
         """Give the KV memory back (idempotent)."""
 
 
-class CachedSequence(Sequence):
+class CachedSequence(SingleSequence):
     """A request's KV in one slot of the contiguous cache, written by the model runner's SlotRunner."""
 
     def __init__(
@@ -78,7 +80,7 @@ class CachedSequence(Sequence):
             self.slot = None
 
 
-class RecomputeSequence(Sequence):
+class RecomputeSequence(SingleSequence):
     def __init__(self, model: Transformer, device: torch.device) -> None:
         super().__init__(model, device)
         self.token_ids: list[int] = []
@@ -104,7 +106,7 @@ class RecomputeSequence(Sequence):
         return self.model(tokens, positions, causal_attend, last_only=last_only)[0]
 
 
-class PagedSequence(Sequence):
+class PagedSequence(SingleSequence):
     """A single request's KV in blocks of the paged pool, its prompt's cached prefix blocks reused."""
 
     def __init__(

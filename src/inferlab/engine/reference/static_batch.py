@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inferlab.engine.kv.contiguous import KVCache
-from inferlab.engine.sequence import Request
+from inferlab.engine.request import Request
 from inferlab.model.transformer import PLAIN, AttentionSpan, Transformer, attend_over
 
 PAD_ID = 0  # any valid id: padded positions are masked out of every real query

@@ -31,8 +31,8 @@ from inferlab.engine.kv.block_manager import BlockManager, BlockTable
 from inferlab.engine.kv.contiguous import compute_kv_cache_bytes
 from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.engine.model_runner import FlatBatch, Segment, SlotRunner, forward_flat
+from inferlab.engine.request import Request
 from inferlab.engine.sampling import SamplingParams, argmax_rows, draw, probabilities
-from inferlab.engine.sequence import Request
 from inferlab.engine.spec.adaptive_k import StepCost
 from inferlab.engine.spec.calibration import Calibration, timed_lines
 from inferlab.engine.spec.proposers import Drafter, DraftState, LoopDrafts, Proposal, SequenceDrafts

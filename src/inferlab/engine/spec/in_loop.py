@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from inferlab.engine.kv.block_manager import BlockManager
+from inferlab.engine.request import Request, StreamEvent
 from inferlab.engine.scheduler import ScheduledBatch
-from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.engine.spec.acceptance import verify_proposal
 from inferlab.engine.spec.adaptive_k import (
     BACKOFF,

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from inferlab.engine.request import Request
 from inferlab.engine.sampling import SamplingParams
-from inferlab.engine.sequence import Request
 from inferlab.engine.spec.adaptive_k import StepCost
 from inferlab.engine.spec.calibration import Calibration, timed_lines
 from inferlab.kernels.fused_decode import FusedDecode

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.model_runner import SlotRunner
+from inferlab.engine.request import Request, StreamEvent
 from inferlab.engine.sampling import SamplingParams
-from inferlab.engine.sequence import Request, StreamEvent
 from inferlab.engine.spec.acceptance import verify_proposal
 from inferlab.engine.spec.adaptive_k import Acceptance, AdaptiveK
 from inferlab.engine.spec.draft_model import ModelDrafter
@@ -34,7 +34,7 @@ from inferlab.model.transformer import Transformer
 
 
 class TargetSequence(Protocol):
-    """The target's KV state of one sequence (the engine's Sequence, or a SlotRunner)."""
+    """The target's KV state of one sequence (the engine's SingleSequence, or a SlotRunner)."""
 
     def verify_rows(self, token_ids: list[int]) -> Tensor:
         """The KV of `token_ids` written after the kept tokens; logits (n, vocab), none kept yet."""
