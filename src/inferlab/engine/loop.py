@@ -1,12 +1,13 @@
 """The engine loop: one thread owns the model and the KV memory and runs steps while there is work.
 
-One step = schedule -> run -> sample -> stream. The scheduler picks every running sequence's decode
-token and prompt chunks up to its token budget; they run as ONE flat forward (engine/model_runner.py); each
-request whose tokens are all in samples its next token through its own sampling state; its events go
-to its `emit`, which hands them to whoever waits (an asyncio queue for the server, a plain queue for
-`generate`). Requests come and go from any thread (`add`, `cancel`); only this thread touches tensors.
-With speculation on, each decode's segment also carries its sequence's drafts, and "sample" verifies
-them (engine/spec/in_loop.py): several tokens per sequence per step, the same tokens as without.
+One step (`EngineLoop.step`) = schedule -> run -> sample -> stream. The scheduler picks every running sequence's
+decode token and prompt chunks up to its token budget; they run as ONE flat forward (engine/model_runner.py); each
+request whose tokens are all in samples its next token through its own sampling state; its events go to its
+`emit`, which hands them to whoever waits (an asyncio queue for the server, a plain queue for `generate`). Requests
+come and go from any thread (`add`, `cancel`); only this thread touches tensors. With speculation on
+(engine/spec/in_loop.py), each decode's segment also carries its sequence's drafts, and "sample" verifies them:
+several tokens per sequence per step, the same tokens as without. What is timed around a step (the step counters,
+engine/runtime/step_stats.py; adaptive K's timings) hooks in around the run and after the hand-off, outside it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor
@@ -30,7 +32,7 @@ from inferlab.engine.runtime.mailbox import batched
 from inferlab.engine.runtime.step_stats import StepStats
 from inferlab.engine.runtime.threads import StepTeam, StepThreads
 from inferlab.engine.sampling import argmax_rows
-from inferlab.engine.scheduler import Scheduler, SchedulerConfig
+from inferlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from inferlab.engine.spec.in_loop import LoopSpeculation
 from inferlab.errors import EngineFailedError, GenerationError
 from inferlab.kernels.fused_decode import FusedDecode
@@ -75,7 +77,6 @@ class EngineLoop:
         self._stopping = False  # stop(): the loop returns after its current step
         self.threads: StepTeam = StepThreads().team()  # each step's intra-op team (engine/runtime/threads.py)
         self.stats = StepStats()  # where the steps' time goes (engine/runtime/step_stats.py)
-        self._decode_step: tuple[int, int, float] | None = None  # a step of decodes alone: decodes, tokens, start
 
     # ---- the front door's side: any thread -------------------------------------------------------
     def add(self, request: Request, bounded: bool = True) -> None:
@@ -129,20 +130,10 @@ class EngineLoop:
                         self._refuse_all("the engine was closed")
                         return
                 with self.stats.step(), self.lock:
-                    with batched():  # a step's events reach each event loop in one wakeup, on leaving it
-                        try:
-                            progressed = self.step()
-                        except Exception as error:  # the scheduler's own state is in doubt: start from empty
-                            progressed = True
-                            log.error("an engine step failed; its requests are dropped", exc_info=error)
-                            for request in self.scheduler.drain():
-                                deliver(request, GenerationError(f"the engine step failed ({type(error).__name__})"))
-                        handoff = time.perf_counter()
-                    done = time.perf_counter()
-                    self.stats.handoff_s += done - handoff
-                    if self.speculation is not None and self._decode_step is not None:
-                        decodes, tokens, began = self._decode_step
-                        self.speculation.step_done(decodes, tokens, done - began)
+                    began = time.perf_counter()
+                    progressed = self._step_and_hand_off()
+                    if self.speculation is not None:  # the whole step, schedule to hand-off, judges its K
+                        self.speculation.handed_off(time.perf_counter() - began)
                 if not progressed:  # waiting for memory another path holds: do not spin
                     with self._wake:
                         self._wake.wait(0.005)
@@ -156,31 +147,42 @@ class EngineLoop:
         for request in self.scheduler.drain():
             deliver(request, EngineFailedError(reason))
 
+    def _step_and_hand_off(self) -> bool:
+        """One step; its events reach each event loop in one wakeup as it leaves `batched()` (the hand-off, timed).
+        A failed step drops the requests it held: the scheduler's own state is in doubt, so it starts from empty."""
+        with batched():
+            try:
+                progressed = self.step()
+            except Exception as error:
+                progressed = True
+                log.error("an engine step failed; its requests are dropped", exc_info=error)
+                for request in self.scheduler.drain():
+                    deliver(request, GenerationError(f"the engine step failed ({type(error).__name__})"))
+            handoff = time.perf_counter()
+        self.stats.handoff_s += time.perf_counter() - handoff
+        return progressed
+
     @torch.inference_mode()
     def step(self) -> bool:
-        """One turn: schedule -> run (one flat forward) -> sample -> stream. Call it holding `lock` (the loop
+        """One turn: schedule -> run (one flat forward) -> sample and stream. Call it holding `lock` (the loop
         does). Returns whether any token was computed."""
-        began = time.perf_counter()
-        self._decode_step = None
         with self.stats.timed("schedule"):
             batch = self.scheduler.schedule()
-        work = batch.work
-        if work:
-            drafts = self.speculation.propose(batch, self.scheduler.running) if self.speculation else {}
-            rows = sum(n for _, n in work) + sum(len(d) for d in drafts.values())
-            weighed = self.speculation is not None and not batch.prefills  # decodes alone: what adaptive K weighs
-            generated = sum(len(r.output_ids) for r in batch.decodes) if weighed else 0
-            start = time.perf_counter()
-            with self.threads.step(rows):  # the forward and the sampling, on the threads the CPUs hold
-                self._run(work, drafts)
-            if batch.prefills:
-                self.stats.prompt_steps += 1
-                self.stats.prompt_step_s += time.perf_counter() - start
-            if weighed:
-                self.speculation.step_cost.observe(rows, time.perf_counter() - start)
-                tokens = sum(len(r.output_ids) for r in batch.decodes) - generated
-                self._decode_step = len(batch.decodes), tokens, began
-        return bool(work)
+        if not batch.work:
+            return False
+        drafts = self.speculation.propose(batch, self.scheduler.running) if self.speculation else {}
+        rows = batch.num_rows + sum(len(d) for d in drafts.values())
+        with self._timing(batch, rows), self.threads.step(rows):  # on the threads the CPUs hold
+            self._run(batch.work, drafts)
+        return True
+
+    @contextmanager
+    def _timing(self, batch: ScheduledBatch, rows: int) -> Iterator[None]:
+        """The hooks that time a step's run: the step counters' (a step that fed prompts) and speculation's (a step
+        of decodes alone, which adaptive K weighs)."""
+        speculation = self.speculation.timing(batch, rows) if self.speculation is not None else nullcontext()
+        with self.stats.run(prompts=bool(batch.prefills)), speculation:
+            yield
 
     def _run(self, work: list[tuple[Request, int]], drafts: dict[Request, list[int]]) -> None:
         """Feed each request its next `n` uncomputed tokens (and its `drafts`), all in one forward; sample those

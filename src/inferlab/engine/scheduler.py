@@ -46,6 +46,11 @@ class ScheduledBatch:
         """Every request of the step with its token count: the decodes first, then the prompt chunks."""
         return [(r, 1) for r in self.decodes] + self.prefills
 
+    @property
+    def num_rows(self) -> int:
+        """Token rows the step feeds (before any drafts): one a decode, and the prompt chunks'."""
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
 
 # A step's decodes -> how many draft tokens each one's sequence will propose (speculation's K per sequence)
 DraftsWanted = Callable[[list[Request]], list[int]]

@@ -19,7 +19,9 @@ own `accept`, which ends it at EOS, a stop string or max_tokens wherever that fa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import time
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -55,13 +57,14 @@ class LoopSpeculation:
     target: Transformer  # what a draft step's cost is counted in (adaptive K)
     acceptances: dict[Request, Acceptance] = field(default_factory=dict)
     proposals: dict[Request, Proposal] = field(default_factory=dict)  # this step's
-    step_cost: StepCost = field(default_factory=StepCost)  # the loop's decode steps, timed (EngineLoop.step)
+    step_cost: StepCost = field(default_factory=StepCost)  # the loop's decode steps, timed (`timing`)
     draft_cost: StepCost = field(default_factory=StepCost)  # the draft steps, timed by the drafts (propose)
-    timed: StepYields = field(default_factory=StepYields)  # what whole steps at each K brought (step_done)
+    timed: StepYields = field(default_factory=StepYields)  # what whole steps at each K brought (`step_done`)
     planned: tuple[int, int, float] | None = None  # this step's decodes, K and expected tokens, until step_done
     last_decodes: int | None = None  # the last step's decodes, if it had decodes alone
     plain_steps: int = 0  # steps in a row that no decode drafted while drafts that are all accepted would pay
     backoff: int = BACKOFF  # such steps before every decode probes
+    ran: tuple[int, int] | None = None  # the step under way, if of decodes alone: its decodes and the tokens it brought
 
     def wanted(self, decodes: list[Request]) -> list[int]:
         """The K each of a step's decodes would draft (the scheduler reserves their room from it): one K for all,
@@ -102,6 +105,26 @@ class LoopSpeculation:
         # drafting, the next probe waits twice as long)
         self.plain_steps, self.backoff = 0, min(2 * self.backoff, MAX_BACKOFF)
         return 1
+
+    @contextmanager
+    def timing(self, batch: ScheduledBatch, rows: int) -> Iterator[None]:
+        """Around the run of a step of `rows` rows (EngineLoop.step): a step of decodes alone is what adaptive K weighs,
+        its run timed by rows (`step_cost`), its tokens kept for `handed_off`."""
+        self.ran = None
+        if batch.prefills:
+            yield
+            return
+        generated = sum(len(r.output_ids) for r in batch.decodes)
+        start = time.perf_counter()
+        yield
+        self.step_cost.observe(rows, time.perf_counter() - start)
+        self.ran = len(batch.decodes), sum(len(r.output_ids) for r in batch.decodes) - generated
+
+    def handed_off(self, seconds: float) -> None:
+        """The step just ended took `seconds` from its schedule to its tokens handed to the streams."""
+        ran, self.ran = self.ran, None
+        if ran is not None:
+            self.step_done(*ran, seconds)
 
     def step_done(self, decodes: int, tokens: int, seconds: float) -> None:
         """A step of `decodes` decodes alone brought `tokens` in `seconds`, from its schedule to its tokens handed to
