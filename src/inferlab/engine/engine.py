@@ -1,11 +1,20 @@
-"""InferenceEngine, the request front door: prompt -> tokens -> the engine loop or a single sequence -> text.
+"""InferenceEngine, the front door: prompt -> tokens -> the path that runs them -> text.
 
-On the paged cache every way in (`generate`, `chat`, `stream_generate`, `submit`, `generate_batch`)
-goes through the engine loop (engine/loop.py: schedule -> one flat forward -> sample -> stream),
-batched with whatever else runs, speculation included (engine/spec/in_loop.py). The single-sequence reference (engine/single.py: `prefill`,
-`decode_step`) serves `generate` on the contiguous cache and cache=none (recomputed in full at every
-step, the baseline the KV-cache study measures against); `generate_batch` on the contiguous cache runs
-the seed's left-padded static batch; off the engine loop, speculative decoding runs one request at a time.
+Which path runs a request depends only on how it came in and on the cache mode (`ROUTES`, below):
+
+    way in                                 cache=paged    cache=contiguous    cache=none
+    submit (the server)                    loop           loop                single
+    generate, chat, stream_generate        loop           single              single
+    generate_batch                         loop           static batch        single, one by one
+    prefill, decode_step (the contract)    single         single              single
+
+loop: the engine loop (engine/loop.py: schedule -> one flat forward -> sample -> stream), batched with whatever else
+runs; with spec on, every decoding sequence drafts and the step's forward verifies (engine/spec/in_loop.py).
+single: the single-sequence reference (engine/reference/single.py), one request's prefill and decode steps under
+the engine lock; cache=none recomputes the whole prefix at every step (the baseline the KV-cache study measures
+against); with spec on, the request speculates alone (engine/spec/session.py). static batch: the seed's left-padded
+static batch over the contiguous slots (engine/reference/static_batch.py), in waves of at most `slots` prompts.
+`speculative_generate` (the contract) runs a target and a draft outside any engine.
 """
 
 from __future__ import annotations
@@ -46,6 +55,14 @@ from inferlab.model.loader import LoadedModel
 from inferlab.model.transformer import Transformer
 
 CONTEXT_MARGIN = 16  # a prompt must leave at least this many positions for generation
+
+# The routing table of the module docstring: way in -> cache mode -> the path that serves it
+LOOP, SINGLE, STATIC_BATCH = "loop", "single", "static batch"
+ROUTES = {
+    "submit": {"paged": LOOP, "contiguous": LOOP, "none": SINGLE},
+    "generate": {"paged": LOOP, "contiguous": SINGLE, "none": SINGLE},  # also chat and stream_generate
+    "generate_batch": {"paged": LOOP, "contiguous": STATIC_BATCH, "none": SINGLE},
+}
 
 
 @dataclass
@@ -183,10 +200,9 @@ class InferenceEngine:
         if self.loop is not None:
             self.loop.fault_hook = hook
 
-    @property
-    def through_loop(self) -> bool:
-        """Whether generate, chat and stream_generate go through the engine loop: on the paged cache."""
-        return self.config.cache_mode == "paged"
+    def route(self, way_in: str) -> str:
+        """The path that serves a request coming in by `way_in` (ROUTES): LOOP, SINGLE or STATIC_BATCH."""
+        return ROUTES[way_in][self.config.cache_mode]
 
     # ---- the steps -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -271,8 +287,9 @@ class InferenceEngine:
 
     def iter_events(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         """Generate token by token; the last event closes the request with its finish reason and timings."""
-        self.check_supported(params, loop=self.through_loop)
-        if self.through_loop:
+        through_loop = self.route("generate") == LOOP
+        self.check_supported(params, loop=through_loop)
+        if through_loop:
             yield from self._iter_loop(prompt_ids, params)
         elif self.speculation is not None:
             yield from self._iter_speculative(prompt_ids, params)
@@ -369,14 +386,15 @@ class InferenceEngine:
         paged: the engine loop; none: one after another (the recompute baseline batches nothing).
         """
         params = self.sampling_params(max_new_tokens=max_new_tokens, **sampling)
-        self.check_supported(params, loop=self.through_loop)
+        path = self.route("generate_batch")
+        self.check_supported(params, loop=path == LOOP)
         prompt_ids = [self.encode_prompt(p) for p in prompts]
         for ids in prompt_ids:
             self.check_prompt(ids)
-        if self.config.cache_mode == "contiguous":
+        if path == STATIC_BATCH:
             waves = [prompt_ids[i : i + self.config.slots] for i in range(0, len(prompt_ids), self.config.slots)]
             return [c for wave in waves for c in self._generate_left_padded(wave, params)]
-        if self.through_loop:
+        if path == LOOP:
             return self._generate_scheduled(prompt_ids, params)
         return [self._collect(self.iter_events(ids, params)) for ids in prompt_ids]
 
@@ -472,7 +490,7 @@ class InferenceEngine:
         event loop. With cache=none requests run one at a time, recomputed (the baseline).
         """
         self.check_supported(request.params, loop=True)
-        if self.loop is None:
+        if self.route("submit") != LOOP:
             return self.stream_generate(request)
         return self._submit(request, bounded=True)
 
@@ -530,8 +548,9 @@ class InferenceEngine:
     async def stream_generate(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         """Async view of `iter_events`: through the engine loop on the paged cache (not bounded by the wait queue),
         else in a worker thread; the tensor work never runs on the event loop."""
-        self.check_supported(request.params, loop=self.through_loop)
-        if self.through_loop:
+        through_loop = self.route("generate") == LOOP
+        self.check_supported(request.params, loop=through_loop)
+        if through_loop:
             async for event in self._submit(request, bounded=False):
                 yield event
             return
