@@ -164,9 +164,8 @@ class InferenceEngine:
     @speculation.setter
     def speculation(self, speculation: Speculation | None) -> None:
         """The drafter for every way in; the engine loop's sequences draft in a pool of their own, allocated on a thread
-        that ends (on_own_thread): a draft model's KV pool zero-filled on the caller's thread left it an OpenMP team
-        beside the loop's, and every later step ran at half speed (SmolLM2 bf16, spec off after one spec=draft
-        request, 2 cores: 60 tok/s, not 128)."""
+        that ends (on_own_thread): a draft model's KV pool zero-filled on the caller's thread would leave that thread
+        an OpenMP team beside the loop's, more threads than cores, and every later step would wait on it."""
         self._speculation = speculation
         if self.loop is not None:
             loop_speculation = on_own_thread(lambda: self._loop_speculation(speculation)) if speculation else None
@@ -181,8 +180,8 @@ class InferenceEngine:
         """End the engine loop's thread, and the OpenMP team of worker threads it keeps; later requests are refused.
         Also done when the engine is garbage-collected. A loop left idle beside another engine's keeps its team: more
         OpenMP threads than cores, and libgomp then ends every wait at a parallel region's barrier with a futex sleep
-        (engine/runtime/threads.py). The next engine built in the same process (a sweep's next job) decoded SmolLM2 bf16 at
-        60-75 tok/s beside a dropped engine's idle loop, 120-124 once that loop had ended (2 cores)."""
+        (engine/runtime/threads.py): the next engine built in the same process (a sweep's next job) would run every step
+        slower beside a dropped engine's idle loop."""
         if self.loop is not None:
             self.loop.stop()
 
@@ -471,7 +470,7 @@ class InferenceEngine:
             "kv_blocks_used": blocks.num_used if blocks else 0,
             "kv_blocks_total": blocks.num_blocks if blocks else 0,
             "kv_block_size": blocks.block_size if blocks else 0,  # tokens per block
-            "kv_bytes_per_block": self.paged.nbytes // self.paged.num_blocks if self.paged else 0,  # measured
+            "kv_bytes_per_block": self.paged.nbytes // self.paged.num_blocks if self.paged else 0,  # of the tensors
             "kv_tokens_computed": blocks.tokens_computed if blocks else 0,  # KV written: what prefix hits save
             "prefix_cache_hits": prefix.hits if prefix else 0,  # full prompt blocks found cached
             "prefix_cache_misses": prefix.misses if prefix else 0,

@@ -75,7 +75,7 @@ class FlatBatch:
 
     def row_tables(self) -> Tensor:
         """Each row's block table: (N, width). Indexed, not `repeat_interleave`d: that one starts a parallel region
-        for any size, which on a busy 2-core machine waited up to ~18 ms for the other core (measured)."""
+        for any size, which on a busy machine waits for a core another process holds."""
         if len(self.query_lens) == self.num_rows:  # one row per sequence (a decode step): the tables themselves
             return self.block_tables
         sequence_of_row = [s for s, n in enumerate(self.query_lens) for _ in range(n)]

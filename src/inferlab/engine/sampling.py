@@ -119,11 +119,10 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
 def argmax_rows(logits: Tensor) -> list[int]:
     """Each row's argmax of (R, vocab) logits, the first of equal maxima as torch.argmax takes it.
 
-    numpy's on the CPU: over a row of SmolLM2's 49k fp32 logits its vectorized argmax takes ~3 us where torch's
-    takes ~42, and torch's opens a parallel region from a few rows on (on a busy 2-core machine such a region
-    waited up to ~16 ms for the other core, measured). numpy has no bf16: bf16 logits are widened to fp32 first
-    (exact, and order-preserving). Comparing their int16 bits in numpy instead (four whole-row temporaries) took
-    17 us a row alone and 124 us a draft token in the engine loop; widened, 9 us and 80 us (AVX-512 Zen 5).
+    numpy's on the CPU: its vectorized argmax over a vocabulary's row is an order of magnitude faster than torch's,
+    and torch's opens a parallel region from a few rows on, which on a busy machine waits for a core another process
+    holds. numpy has no bf16: bf16 logits are widened to fp32 first (exact, and order-preserving), which is cheaper
+    than comparing their int16 bits in numpy (four whole-row temporaries).
     """
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
         return logits.argmax(-1).tolist()
@@ -134,9 +133,9 @@ def draw(probs: Tensor, generator: torch.Generator | None) -> int:
     """One index drawn from (vocab,) probabilities (any non-negative weights), as torch.multinomial draws it: the
     inverse of their float64 running sum at one uniform of `generator`.
 
-    torch.multinomial over SmolLM2's 49k entries takes ~1 ms on the CPU and opens a parallel region (on a busy
-    2-core machine its median was 14 ms, measured); this takes ~50 us, and speculative sampling draws once per
-    draft token besides every round's own token."""
+    torch.multinomial over a whole vocabulary is much slower on the CPU and opens a parallel region (which on a busy
+    machine waits for a core another process holds); speculative sampling draws once per draft token besides every
+    round's own token."""
     if probs.device.type != "cpu":
         return int(torch.multinomial(probs, 1, generator=generator))
     cumulative = np.cumsum(probs.numpy(), dtype=np.float64)

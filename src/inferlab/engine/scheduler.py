@@ -6,9 +6,8 @@ chunks, so a long prompt cannot stall those decodes.
 With speculation on (`drafts_wanted` set), each decode of a step without prompt chunks also gets room for
 the draft tokens its sequence will propose past its next one (its own K, chosen here), from the budget left
 and free blocks only: a draft never preempts anyone, and a sequence decoding plainly takes none. A step that
-feeds prompts drafts nothing: its K draft steps would run before the forward and hold those prompts back
-(bf16 SmolLM2 at c=8, 2 cores: a wave's first decode drafting 6 tokens beside 7 prompts made their step 80 ms
-instead of ~45, every request's first token later, and no more tokens in all than plain decoding brought).
+feeds prompts drafts nothing: its K draft steps would run before the forward and hold those prompts back, every
+new request's first token later for drafts that bring no more tokens than plain decoding does.
 A waiting request is admitted only when the pool holds its prompt plus its first generated token.
 When a decode needs a block and none is free, the latest admitted sequence is preempted: its blocks
 are freed and it goes back to the front of the queue, to be recomputed (its full blocks often come

@@ -1,10 +1,9 @@
 """The aten integer matmuls behind the quantized modules, and the one device check that picks them.
 
 Decoding reads every weight once per token, so the win comes from kernels that read int8 / packed
-int4 directly instead of a dequantized copy. Measured on torch 2.13 CPU: with bf16 activations
-`_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` beat a bf16 F.linear, but with fp32 or fp16
-activations both are 4-20x slower than a dense F.linear (49152x576: int4 93 / 125 ms, int8 61 / 49 ms,
-dense 12.5 / 6.7 ms), so on CPU only bf16 takes them. Every case the kernels do not cover runs the
+int4 directly instead of a dequantized copy. On the CPU, with bf16 activations `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu` beat a bf16 F.linear, but with fp32 or fp16 activations both are several times
+slower than a dense F.linear, so on CPU only bf16 takes them. Every case the kernels do not cover runs the
 portable dequantize-then-linear reference instead.
 """
 

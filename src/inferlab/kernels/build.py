@@ -2,9 +2,8 @@
 runs (`device.isa`), and say where they apply (`device.kernels`).
 
 Decoding multiplies a handful of activation rows by every weight matrix, so its speed is how fast
-the weights stream from memory. On CPU the library paths fall well short of that for these
-matrix-vector products (measured on the 121 matrices of SmolLM2-135M, 2 threads: F.linear fp32
-13.5 GB/s, oneDNN-prepacked 17.3, this kernel 22.9), so inferlab builds its own kernels on first
+the weights stream from memory. On CPU the library paths (F.linear, oneDNN's prepacked weights) fall well short
+of that for these matrix-vector products, so inferlab builds its own kernels on first
 use and caches the build: csrc/gemv.h (fp32, bf16, int8 and int4 weights, one pass over each row;
 gemv.py), csrc/attention.h (one query per sequence through block tables; attention.py) and
 csrc/decode_step.cpp (the whole decode step; fused_decode.py). Each instruction set of isa.py is its
@@ -41,7 +40,7 @@ KERNEL_CHOICES = ("fast", "portable")
 # -ffp-contract=off: a scalar a * b + c stays two roundings wherever it is inlined (GCC fuses it into an fma
 # in some instantiations and not others), so a row's product does not depend on the shape of its call
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
-STALE_LOCK_S = 600  # a build takes ~1 min on 2 cores; a build lock older than this was left by a killed build
+STALE_LOCK_S = 600  # far longer than a build takes: a build lock older than this was left by a killed build
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The whole forward step in one C++ call (csrc/decode_step.cpp), where every layer can run on the CPU kernels.
 
-The Python model makes ~35 tensor-op calls per layer and token; on a 2-core CPU their dispatch alone
-is ~7 ms of a 20-40 ms step. `FusedDecode` hands the model's weights to a C++ plan once, at load, and
+The Python model makes ~35 tensor-op calls per layer and token; on a small CPU their dispatch alone is a large
+share of a decode step. `FusedDecode` hands the model's weights to a C++ plan once, at load, and
 then runs each step as one call: a flat batch of up to FUSED_MAX_ROWS token rows, each with its own
 position and block table (decode tokens of many sequences and causal prompt chunks, mixed), embeddings
 in, the logits of the rows asked for out, every layer's k/v written to the cache on the way. It reads
@@ -22,19 +22,14 @@ from inferlab.kernels.isa import amx_bf16_usable
 from inferlab.kernels.layer import KernelLayer, holds_dense_copy
 from inferlab.model.transformer import Transformer, rope_tables
 
-# Token rows one step takes at most (many_rows_limit may choose fewer). The kernels take any number; the bound keeps a step's fp32 activation buffers
-# (~6 KiB per row per hidden unit of the MLP: ~20 MiB at SmolLM2's 1536) and its latency in check, and is
-# above any prompt chunk the schedulers make (scheduler.max_batched_tokens).
+# Token rows one step takes at most (many_rows_limit may choose fewer). The kernels take any number; the bound keeps a
+# step's fp32 activation buffers (~6 KiB per row per hidden unit of the MLP) and its latency in check, and is above any
+# prompt chunk the schedulers make (scheduler.max_batched_tokens).
 FUSED_MAX_ROWS = 2048
 # On the amx build, a step of many sequences stays fused beyond many_rows_limit while its sequences bring at most this
 # many rows each on average (prompt chunks of up to 128 tokens, decodes): the Python model attends sequence by sequence
-# (~3-4 ms a sequence over SmolLM2's 30 layers), which costs it more than oneDNN's GEMM gains; a long chunk's rows,
-# each attending its own keys in the plan, go to the Python model (its SDPA). SmolLM2 int4 on the AMX Xeon, one step of
-# S sequences x R new rows after a cached prefix of P tokens, the Python model vs fused, ms: P = 112: 16 x 16 162 vs 89,
-# 32 x 8 236 vs 92, 8 x 32 139 vs 92, 2 x 100 95 vs 79, 3 x 96 119 vs 104, 2 x 128 104 vs 87, 16 decodes + a 240-row
-# chunk 114 vs 110; P = 16 (a burst of new prompts): 16 x 16 144 vs 73, 2 x 128 102-112 vs 80-83, 3 x 128 150 vs 136,
-# 4 x 96 154 vs 130, 4 x 128 146 vs 144, 1 x 256 97 vs 90, 1 x 511 185 vs 225; bf16 and int8 alike (2 x 128: 117 vs
-# 83, 117 vs 87; 4 x 128: 169 vs 175, 171 vs 171)
+# (every layer, a call per sequence), which costs it more than oneDNN's GEMM gains; a long chunk's rows, each
+# attending its own keys in the plan, go to the Python model (its SDPA), where the GEMM's gain outweighs that.
 SHORT_CHUNK_ROWS = 128
 
 
@@ -62,14 +57,12 @@ def many_rows_limit(model: Transformer, isa: str) -> int:
     BF16_KERNEL_MAX_ROWS (the Python model's F.linear runs oneDNN's GEMM on the tiles), or on the `isa` build that
     multiplies bf16 on the tiles itself (amx) BF16_TILES_MAX_ROWS. That build's plan also multiplies a quantized
     layer's bf16 copy on the tiles, beyond the rows its kernel takes (dense_from_rows): such layers stay fused up to
-    BF16_TILES_MAX_ROWS as well (SmolLM2 int4, prompts of 128 tokens ~1.4x as fast). int4 layers hold copies only on
-    AMX CPUs; elsewhere every int4 step runs fused. Measured on SmolLM2 (AVX-512 without AMX, one thread), int4 fused
-    against the Python model over dense bf16 copies: 16 rows 25-34 vs 56-64 ms, 32 rows 56-84 vs 92 ms, 64 rows
-    98-134 vs 117-128 ms; batch-1 prompts of 128 tokens 450-570 vs 500-510 tok/s, of 512 420-430 vs 480-530
-    (oneDNN's GEMM multiplies ~1.3x faster per row than the int16-code kernel; the copies cost 256 MiB). Without AMX
-    bf16 weights stay on the fused step though oneDNN is faster there too (361 vs 584, 307 vs 545): its fp32
-    activations kept mixed steps within the real-model tolerance then, the bf16 Python model did not (on the AMX Xeon
-    the real-model mixed-step test passes with the Python model beyond 32 rows); fp32 354 vs 330, 318 vs 321."""
+    BF16_TILES_MAX_ROWS as well (their prompts then run on the tiles inside the plan, with no Python model between).
+    int4 layers hold copies only on AMX CPUs; elsewhere every int4 step runs fused: without the tiles, oneDNN's GEMM
+    over a bf16 copy gains little per row on the int16-code kernel at prompt sizes, loses at a few rows, and the copy
+    costs twice the int4 weights' memory. Without AMX, bf16 weights stay on the fused step though oneDNN is faster on
+    long prompts: the plan's fp32 activations keep a mixed step of decodes and prompt chunks within the real-model
+    tolerance, where the bf16 Python model's rounding does not (with AMX the Python model's tiles keep fp32 sums)."""
     limits = [
         max(m.kernel_max_rows, BF16_TILES_MAX_ROWS) if isa == "amx" and bf16_copy(m) is not None else m.kernel_max_rows
         for m in model.layers.modules()
@@ -125,8 +118,7 @@ class FusedDecode:
         if output is None or any(parts is None for layer in layers for parts in layer):
             return None
         # The plan rotates q and k in fp32 with fp32 tables, not the model's own in its dtype: bf16 cos/sin (off
-        # by up to 2^-9) were the bf16 step's largest error of its own (SmolLM2 bf16 against fp32, teacher-forced
-        # over 62 positions: mean 1 - cosine 1.58e-4 -> 1.31e-4, worst cosine 0.99831 -> 0.99866)
+        # by up to 2^-9) are the bf16 step's largest error of its own against fp32
         rope_cos, rope_sin = rope_tables(config, torch.device("cpu"))
         plan = kernel_classes().DecodePlan(
             config.n_heads,

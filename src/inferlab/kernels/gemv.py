@@ -1,11 +1,10 @@
 """The matrix products of the CPU kernels (csrc/gemv.h): fp32, bf16, int8 and int4 weights, each weight row
 read from memory once per call, with the RMSNorm or SwiGLU before the product fused in.
 
-The kernel takes any number of rows. On dense fp32/bf16 weights `F.linear` (oneDNN) wins beyond
-GEMV_MAX_ROWS rows (measured on the whole model's layers, AVX-512, one thread: bf16 at 16 rows 228 vs 260
-tok/s, at 256 rows 291 vs 541), so the Python model's plain layers keep it there; quantized layers take
-the kernel at any number of rows unless they hold a dense copy: int8 beyond GEMV_MAX_ROWS, on the amx build
-beyond INT8_TILES_MAX_ROWS (int8 at 256 rows: 400 tok/s against `_weight_int8pack_mm`'s 205), int4 beyond
+The kernel takes any number of rows. On dense fp32/bf16 weights `F.linear` (oneDNN's GEMM, which reuses each
+weight across rows in registers) wins beyond GEMV_MAX_ROWS rows, so the Python model's plain layers keep it there;
+quantized layers take the kernel at any number of rows (it outruns `_weight_int8pack_mm` at many rows too) unless
+they hold a dense copy: int8 beyond GEMV_MAX_ROWS, on the amx build beyond INT8_TILES_MAX_ROWS, int4 beyond
 INT4_KERNEL_MAX_ROWS (on the amx build INT4_KERNEL_MAX_ROWS_AMX) and only on AMX CPUs (elsewhere its many-row
 kernel outruns oneDNN's bf16 GEMM over a copy: fused_decode.py).
 """
@@ -21,29 +20,24 @@ from inferlab.kernels.layer import DenseCopyLayer, KernelWeights
 from inferlab.model.transformer import RMSNorm, swiglu
 
 GEMV_MAX_ROWS = 8  # rows up to which the kernel runs a dense layer (csrc/gemv.h: kDecodeRows)
-# rows up to which the int4 kernel runs a layer that holds a bf16 copy (AMX CPUs only: layer.DenseCopyLayer). SmolLM2's
-# int4 prompt on an AMX Xeon, fused kernel vs the Python model over bf16 copies (oneDNN on AMX tiles), tok/s: 16
-# tokens 1,213 vs 497, 32 1,318 vs 883, 64 1,404 vs 1,463, 128 1,390 vs 2,187, 512 1,101 vs 3,333
+# rows up to which the int4 kernel runs a layer that holds a bf16 copy (AMX CPUs only: layer.DenseCopyLayer): about
+# where the Python model over the copies (oneDNN on the AMX tiles) overtakes the fused kernel on a prompt
 INT4_KERNEL_MAX_ROWS = 64
 # the same on the amx build, whose fused step takes a step of more rows in bf16, the copies' numbers: up to 55 rows
 # dequantized from the int4 tiles in cache, from 56 the copies streamed (fused_decode.py: dense_from_rows; csrc/amx.h:
-# Int4DequantTiles). SmolLM2 int4, the fused decode step of as many sequences at 150-160 positions on the AMX Xeon, 2
-# threads, ms: with the int4 kernel up to 32 rows 16 15.8, 24 23.0, 32 29.9 (and the copies from 33: 33 25.9, 40 28.7);
-# the projections alone (30 layers), int4 kernel / copy / dequantized: 12 rows 9.0 / 10.5 / 8.3, 16 11.1 / 10.8 / 9.1,
-# 24 16.1 / 12.3 / 10.8, 32 20.5 / 12.9 / 11.4. A sequence's numbers then depend on whether its step held 16 rows
+# Int4DequantTiles): from 16 rows the tiles' bf16 products of the dequantized weights take less time than the int4
+# kernel's, whose time grows with every row. A sequence's numbers then depend on whether its step held 16 rows
 INT4_KERNEL_MAX_ROWS_AMX = 15
 # rows up to which a bf16 model's step stays on the fused kernel on AMX CPUs (larger ones: the Python model, whose
-# F.linear runs oneDNN's GEMM on the tiles). SmolLM2 bf16 prompt on an AMX Xeon, fused vs Python, tok/s: 16 tokens
-# 618 vs 474, 32 702 vs 877, 64 781 vs 1,372, 128 840 vs 2,174, 512 787 vs 3,429
+# F.linear runs oneDNN's GEMM on the tiles, which overtakes the kernel on a prompt about there)
 BF16_KERNEL_MAX_ROWS = 32
 # the same on the amx build, whose bf16 products run on the tiles too (csrc/amx.h; there also a quantized layer's bf16
-# copy, kernels/fused_decode.py). SmolLM2 bf16 prompt chunk on the AMX Xeon, fused vs the Python model, ms: 32 tokens
-# 15.2 vs 36.4, 64 23.6 vs 44.5, 96 31.7 vs 51.7, 128 44.3 vs 59.2, 192 67.8 vs 72.0, 256 91.9 vs 89.8, 512 233 vs 147
+# copy, kernels/fused_decode.py): about where oneDNN's GEMM, which packs its operands for the tiles better than the
+# plan's streaming products, catches up with the fused step on a prompt chunk
 BF16_TILES_MAX_ROWS = 192
 # rows up to which an int8 layer that holds a dense copy takes the kernel on the amx build, whose int8 products of 6 or
-# more rows run on the tiles (csrc/amx.h: Int8Tiles; elsewhere GEMV_MAX_ROWS). SmolLM2 int8 prompt chunk on the AMX
-# Xeon, fused vs the Python model over bf16 copies, ms: 16 tokens 10.9 vs 30.8, 64 21.8 vs 41.0, 128 43.0 vs 55.8,
-# 192 63.3 vs 68.6, 256 89.2 vs 83.6
+# more rows run on the tiles (csrc/amx.h: Int8Tiles; elsewhere GEMV_MAX_ROWS): about where the Python model over the
+# bf16 copies catches up with the fused step on a prompt chunk
 INT8_TILES_MAX_ROWS = 192
 GEMV_K_STEP, GEMV_MAX_K = 16, 8192  # kStep and the K limit in csrc/gemv.h
 FLOAT_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16"}

@@ -5,16 +5,12 @@ A decode step streams every weight once. On 4 KiB pages that costs a TLB entry p
 hardware prefetcher stops at every page boundary; on 2 MiB pages neither happens. Anonymous memory gets
 huge pages here only when it is advised before it is first written (transparent huge pages in "madvise"
 mode), so the weights are copied into a fresh arena advised that way, and every module points at its
-views of it. Measured on this project's 2-core machine (the gemv op on 256 MiB of weights, 15 runs
-alternated): fp32 +9%, bf16 +4%, int8 +14% median streaming rate; SmolLM2 decode tok/s (10 alternated
-runs of 64 tokens): fp32 +4%, bf16 +8%, int8 +3%, int4 +8%. Where the advice is refused (other systems,
+views of it: the weights then stream faster, and decoding with them. Where the advice is refused (other systems,
 THP off), the weights stay where they are.
 
 The KV pools go there too (zeros_on_huge_pages): attention reads each sequence's blocks wherever they lie in a
 pool of hundreds of MiB, a 2 KiB run of keys here and one there, so on 4 KiB pages nearly every run costs a TLB
-miss. SmolLM2's whole fused step, 150-token contexts in shuffled blocks of a 256 MiB pool, both pools alternated
-in one process (AMX Xeon, 2 threads, median of 12): int4 1 row 2.97 -> 2.78 ms, 8 rows 9.02 -> 8.17, 16 rows
-16.07 -> 14.58; bf16 8 rows 13.77 -> 12.65, 16 rows 19.81 -> 18.50.
+miss, the more so the more sequences a step attends for.
 """
 
 from __future__ import annotations

@@ -101,9 +101,8 @@ def amx_bf16_usable() -> bool:
 
 def bf16_gemm_native() -> bool:
     """The CPU multiplies bf16 itself (AVX-512 BF16's dot products, or AMX tiles), so that oneDNN's bf16 GEMM (F.linear
-    on bf16 tensors) runs at speed; elsewhere it converts its operands as it goes. AVX2-only EPYC (Zen 1), 2 threads,
-    SmolLM2's 120 projections in bf16 from a dense copy against the int8 kernel: 16 rows 334 vs 67 ms, 64 rows 1,346
-    vs 257 (an fp32 copy: 123, 287)."""
+    on bf16 tensors) runs at speed; elsewhere it converts its operands as it goes, and a bf16 copy's GEMM is several
+    times slower than the int8 kernel, and slower than an fp32 copy's."""
     return "avx512_bf16" in cpu_flags() or amx_bf16_usable()
 
 

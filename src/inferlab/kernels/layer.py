@@ -72,12 +72,12 @@ class DenseCopyLayer(Protocol):
 
     The gemv kernel takes any number of rows, but a prompt chunk or a large decode batch is a GEMM, and
     there a dense bf16/fp32 GEMM (oneDNN) over a dequantized copy of int8 weights is faster than the int8
-    kernel and >10x faster than dequantizing at every call (the issue's and kernels/aten.py's measurements; on the
-    amx build, whose int8 products run on AMX tiles, only beyond INT8_TILES_MAX_ROWS rows: kernels/gemv.py):
+    kernel and an order of magnitude faster than dequantizing at every call (on the amx build, whose int8 products
+    run on AMX tiles, only beyond INT8_TILES_MAX_ROWS rows: kernels/gemv.py):
     the copy trades memory for that speed, within `device.dense_copy_mb`. int4 keeps one only where oneDNN's
     bf16 GEMM runs on AMX tiles (kernels/isa.py: amx_bf16_usable), and only for steps of more than
     INT4_KERNEL_MAX_ROWS rows (kernels/gemv.py): elsewhere its kernel's GEMM (csrc/gemv.h) outruns oneDNN's bf16
-    one up to 32 rows and ties at 64, and prompts of 512 tokens lose ~15% (kernels/fused_decode.py: many_rows_limit).
+    one at a few dozen rows and loses little on long prompts (kernels/fused_decode.py: many_rows_limit).
     The amx build's fused step takes an int4 layer's products in bf16, the copy's numbers, beyond
     INT4_KERNEL_MAX_ROWS_AMX rows, where its tiles overtake the kernel (kernels/fused_decode.py: dense_from_rows):
     up to 55 rows its int4 weights dequantized in cache, from there its copy streamed, up to BF16_TILES_MAX_ROWS; the

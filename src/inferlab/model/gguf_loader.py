@@ -267,7 +267,8 @@ BLOCK_READERS = {"Q4_1": q4_1_codes, "Q8_0": q8_0_codes}  # the block types read
 
 def block_values(blocks: np.ndarray, kind: str) -> Tensor:
     """Q4_1 or Q8_0 blocks (N, bytes per row) as fp32 weights (N, K), each w = d * q (+ m) rounded as gguf's own
-    dequantize rounds it (two fp32 operations, not one fused): the same floats, ~20x as fast as its numpy."""
+    dequantize rounds it (two fp32 operations, not one fused): the same floats, in torch's vectorized ops rather than
+    gguf's numpy, which is much slower on a whole model."""
     codes, scales, *mins = BLOCK_READERS[kind](blocks)
     n, groups = scales.shape
     values = codes.reshape(n, groups, BLOCK_WEIGHTS).float() * scales[..., None]

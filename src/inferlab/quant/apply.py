@@ -112,7 +112,7 @@ def quantize_model(
 
     report = QuantReport(mode, group_size, bytes_before=weight_bytes(model))
     # each float layer goes as soon as its quantized one is in (popped, not kept to the end), its memory handed back
-    # at once (malloc keeps freed tensors below its mmap threshold resident: int8 SmolLM2 load peak 862 -> 685 MiB),
+    # at once (malloc keeps freed tensors below its mmap threshold resident, which would raise the load's peak),
     # and the head first: a tied embedding's float matrix (49152 x 576) never coexists with the quantized decoder
     for name in sorted(linears, key=lambda n: n != HEAD):
         linear = linears.pop(name)

@@ -184,8 +184,8 @@ class Int4GroupLinear(nn.Module):
         return int4_kernel_max_rows()
 
     def dense_copy_pays(self, dtype: torch.dtype) -> bool:
-        """Only a bf16 copy on an AMX CPU: there oneDNN's GEMM beats the int4 kernel's from ~64 rows (prompts of 512
-        tokens 3x as fast); elsewhere the kernel wins at every number of rows, and the copy costs 4x the weights."""
+        """Only a bf16 copy on an AMX CPU: there oneDNN's GEMM on the tiles beats the int4 kernel's beyond
+        `kernel_max_rows`; elsewhere the kernel wins at every number of rows, and the copy costs 4x the weights."""
         return self.layout in NIBBLE_LAYOUTS and dtype == torch.bfloat16 and amx_bf16_usable()
 
     def keep_dense_copy(self, dtype: torch.dtype) -> int:

@@ -60,8 +60,8 @@ class Int8Linear(nn.Module):
 
     def dense_copy_pays(self, dtype: torch.dtype) -> bool:
         """A bf16 copy only where the CPU multiplies bf16 itself (kernels/isa.py: bf16_gemm_native): elsewhere
-        oneDNN's bf16 GEMM ran 5x slower than the int8 kernel at every number of rows (the int8 profile's step of 16
-        sequences on an AVX2-only EPYC took 489 ms, 90% of it in aten::mm)."""
+        oneDNN's bf16 GEMM converts its operands as it goes and is slower than the int8 kernel at every number of
+        rows."""
         return dtype != torch.bfloat16 or self.weight.device.type != "cpu" or bf16_gemm_native()
 
     def keep_dense_copy(self, dtype: torch.dtype) -> int:

@@ -1,8 +1,8 @@
 """A model's own weights at fewer bits, as a draft for speculative decoding (spec=self): nothing to train.
 
 On a CPU a decode step costs about the bytes of weights it reads, so a copy of the target at int4 (or
-int8) drafts 2-8x faster than the target verifies, and it agrees with the target on most tokens. The
-copy is a second module tree that shares every tensor it does not requantize with the target (norms,
+int8) drafts as many times faster than the target verifies as it reads fewer bytes, and it agrees with the target
+on most tokens. The copy is a second module tree that shares every tensor it does not requantize with the target (norms,
 rope tables, an embedding that is only looked up, an LM head already at int8): the float weights are
 never held twice. Its decoder Linears are quantized like precision=int4|int8 quantizes them (int4 in
 groups of 32, so a GGUF's Q4_1 blocks import as they are; the LM head at int8, a tied embedding reading
@@ -14,8 +14,8 @@ at int8 of its int4 draft's ~108 MB). A draft only has to propose tokens the tar
 common tokens. It stays lossless, the target verifies every proposal: at temperature 0 the draft proposes its
 argmax over the N ids, at T > 0 its distribution is over them and zero elsewhere, which the rejection rule
 handles (a token it never proposes is reached through the residual max(0, p - q) = p there). It is off by
-default (conf/spec/self.yaml): with 16,384 ids, every later id SmolLM2's chat answer used was a rejection, and the
-rejections cost more than the smaller head saved.
+default (conf/spec/self.yaml): a chat answer uses enough later ids that their rejections cost more than the
+smaller head saves.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The engine loop emits one event per stream per step; handing each over with `call_soon_threadsafe`
 writes the loop's self-pipe every time, and each write wakes the event-loop thread, which takes the
-GIL from the engine thread mid-step (measured: 16 streams, 16 wakeups per step). A thread that posts
+GIL from the engine thread mid-step: as many wakeups per step as streams. A thread that posts
 inside `batched()` (the engine loop, around each step) only queues; leaving it wakes each event loop
 that got something once, with everything it got. Posts outside `batched()` wake at once. Events of
 one queue keep their order.

@@ -3,16 +3,16 @@ token rows or while other processes keep those CPUs busy.
 
 A step is a few hundred short parallel regions, and each region's barrier waits for the last member of the team.
 When something else holds a CPU that a member needs (another process, the HTTP event loop sending a token), the
-scheduler parks that member for a time slice, and every region pays for it: inferlab-serve on 2 cores with one
-CPU-bound neighbor fell from 0.37 s to a 504 after 30 s for 64 tokens on two threads, while one thread lost 20 %.
-So the team is fitted to the CPUs: at load to the affinity mask and the cgroup's CPU quota (runtime/cpus.py), and,
-where the team size is not set by hand, every SHARE_CHECK_S in the loop to the CPUs others leave free. Steps of at
+scheduler parks that member for a time slice, and every region pays for it: a team of two threads beside one
+CPU-bound neighbor on two cores is slower by orders of magnitude, while one thread loses little. So the team is
+fitted to the CPUs: at load to the affinity mask and the cgroup's CPU quota (runtime/cpus.py), and, where the team
+size is not set by hand, every SHARE_CHECK_S in the loop to the CPUs others leave free. Steps of at
 most `max_rows` rows may run on fewer still (`threads`): a lone decode gains nothing from a second thread that the
 event loop competes for. Results do not change: the kernels split output features across threads, never a sum.
 
-The count is set for the calling thread only, in the OpenMP runtime torch loaded (`omp_set_num_threads`,
-0.3 us); `torch.set_num_threads` would also rebuild torch's thread pools and clear oneDNN's caches
-(~120 us, and the next prompt pays for the caches). Without an OpenMP runtime to call, nothing changes.
+The count is set for the calling thread only, in the OpenMP runtime torch loaded (`omp_set_num_threads`, a
+store); `torch.set_num_threads` would also rebuild torch's thread pools and clear oneDNN's caches (and the next
+prompt would pay for the caches). Without an OpenMP runtime to call, nothing changes.
 `on_own_thread` runs work such as loading on a thread that ends with it, so no OpenMP team of its own
 outlives it beside the engine loop's.
 """
@@ -109,11 +109,10 @@ def on_own_thread(work: Callable[[], T]) -> T:
     """`work()` run on a thread that ends with it: its result, or its exception raised here.
 
     libgomp gives each thread that starts a parallel region a team of worker threads of its own, parked
-    until that thread exits. A model loaded on the main thread left its team beside the engine loop's:
+    until that thread exits. A model loaded on the main thread would leave its team beside the engine loop's:
     more OpenMP threads than cores, and libgomp then ends every wait at a region's barrier after ~100
-    spins with a futex sleep, so each of a step's ~150 parallel regions paid a wake-up. Loaded on a
-    thread that ends, the team goes with it: 16 sequences of 64 tokens through the loop, SmolLM2 int4 on
-    2 cores, 1.04-1.18x the tokens/s (3 interleaved pairs).
+    spins with a futex sleep, so each of a step's parallel regions would pay a wake-up. Loaded on a
+    thread that ends, the team goes with it.
     """
     outcome: list = []
 

@@ -4,20 +4,20 @@ If each draft token is accepted with probability a, a round of k drafts emits 1 
 on average (the accepted run plus the target's own token) and costs one target step of k + 1 rows (the
 verification: on a CPU its rows read the weights once, like a decode step, plus each row's arithmetic) and
 k draft steps: 1 + k * `draft_cost` one-row target steps, a draft token costing its draft step and its
-verified row (spec/calibration.py's Calibration, timed at load; the draft's bytes over the target's before that). Each round takes
-the k in 0..max_k with the most tokens per unit of cost (Leviathan et al. 2023, section 3.4). a is a running
-estimate per sequence: text the draft knows well gets long rounds, text it does not gets short ones.
+verified row (spec/calibration.py's Calibration, timed at load; the draft's bytes over the target's before that).
+Each round takes the k in 0..max_k with the most tokens per unit of cost (Leviathan et al. 2023, section 3.4). a is
+a running estimate per sequence: text the draft knows well gets long rounds, text it does not gets short ones.
 When even k = 1 costs more than it brings (a < the draft token's cost), the sequence decodes plainly for BACKOFF
 tokens, then probes with one round of at least one draft: speculation resumes where it pays again.
 
-In the engine loop a verification is rows of a batched step, and there rows cost: at c=8 a step's
-8 x (k + 1) rows take longer than its 8 (the lm_head and attention per row, the kernel's rows per pass, and a
+In the engine loop a verification is rows of a batched step, and there rows cost: with B sequences a step's
+B x (k + 1) rows take longer than its B (the lm_head and attention per row, the kernel's rows per pass, and a
 kernel may switch paths past some row count), and so do the draft's rows. There one K serves every decode of a
 step (plan_k): the k whose step, B x (k + 1) rows after k draft steps of B rows, brings the most expected tokens
 (from each sequence's own acceptance) per second. Both the loop's decode steps and its draft steps are timed
 (StepCost: the fastest timing at each row count, a line through them; the load-time Calibration until the loop
-has its own), so a draft step's fixed cost is shared by the sequences drafting in it: a row-cheap draft pays at
-c=4-8 where one sequence's draft step would not, and where rows cost more than acceptance brings, the loop
+has its own), so a draft step's fixed cost is shared by the sequences drafting in it: a row-cheap draft pays with
+several sequences where one sequence's draft step would not, and where rows cost more than acceptance brings, the loop
 decodes plainly. A draft model with a KV cache of its own first feeds what it has not seen (the tokens of plain
 steps, the whole context at a request's first drafting), so a step's first draft step counts those rows. When only
 the estimates hold it back (drafts that were all accepted would pay), every decode probes with one draft after
@@ -26,7 +26,7 @@ Those prices are pieces; the loop also times its steps whole, from schedule to h
 brought (StepYields), and once a K has been timed at a step's count of decodes, that timing is its rate. Once some
 K > 0 was timed there, a K > 0 must bring LOOP_MIN_GAIN times plain decoding's rate, or the step decodes plainly
 (and of the K's that do, the shortest round within LOOP_SHORTER_WITHIN of the best's rate is taken); before, the
-prices decide (they err both ways: at c=4 they said drafting barely paid, and it brought 1.3x). Where
+prices decide (they err both ways, so a K they price as barely paying is tried and timed). Where
 drafting was timed and no acceptance would pay, nothing probes; where only prices say so, the probes go on, and
 their draft steps correct the prices.
 
@@ -53,9 +53,8 @@ ROUNDS = 8  # the recent whole steps at each (decodes, K) whose yield judges tha
 # In the engine loop a K > 0 must bring this many times plain decoding's tokens per second, as timed whole, and of
 # the K's that do, the shortest round within LOOP_SHORTER_WITHIN of the best's rate is taken: under load the streams
 # gain less than the steps, the more so the longer a round (a prompt arriving waits it out; rounds spread the
-# requests' ends, so more steps run short of sequences). bf16 SmolLM2 on a 2-core AMX Xeon, c=8, spec=self over spec
-# off (4 paired loads each): K=1-2 steps timed 1.08-1.15x plain's, K=6 1.1x; with the bar at 1.2 (plain) 0.96-1.03,
-# at 1.05 alone (K=2 and K=6 rounds) 0.98-1.04, at 1.05 with the shortest within 10% 1.04-1.08, at 1.1 0.94-1.04
+# requests' ends, so more steps run short of sequences). A bar much above 1 leaves the gains of short rounds unused;
+# without the preference for the shortest round, long rounds' steps win on their own timing and lose on the streams'.
 LOOP_MIN_GAIN = 1.05
 LOOP_SHORTER_WITHIN = 0.1
 MAX_AGE = 256  # steps of as many decodes after which a (decodes, K)'s yields are too old to judge it: priced afresh (a
@@ -130,7 +129,7 @@ class StepCost:
     def points(self) -> tuple[dict[int, float], dict[int, float]]:
         """(each row count timed -> its fastest step, those timed at least MIN_SAMPLES times -> theirs), kept until
         the next step is observed: the engine loop reads them several times a step (fit, curve; the draft steps' when
-        no decode drafted for many steps), ~10 us each time on the loop's thread."""
+        no decode drafted for many steps), each time on the loop's thread."""
         if self._points is None:
             fastest: dict[int, float] = {}
             counts: Counter[int] = Counter()
@@ -158,16 +157,14 @@ class StepCost:
     def curve(self, line: tuple[float, float]) -> Callable[[int], float]:
         """Seconds of a step of `rows` rows: between two row counts timed MIN_SAMPLES times (knots), on the line between
         their fastest steps, and past them on the slope of `line` (this cost's fit) from the nearest one (a kernel that
-        switches paths past some row count makes a staircase, not a line: fp32 SmolLM2 steps of 8, 9 and 16 rows took
-        27.5, 36.5 and 39.3 ms); `line` itself where none is. Past the last knot every row count timed is a knot too,
-        at its fastest however few times it was timed: those are a drafting loop's verifications, B x (K + 1) rows
-        with B and K changing, which seldom repeat a count MIN_SAMPLES times, and a slope through the plain steps'
-        knots alone priced them as nearly free (fp32 SmolLM2 on a 2-core AVX2 EPYC: knots at 1 and 4 rows, both 28.8
-        ms, put 8 and 12 rows at 28.8 ms where 7 took 44.5 and 13 took 76.8). A single timing errs only on the dear
-        side (others on a shared machine only slow a step), against drafting. Below the fewest rows timed, never under
-        that step's share of its rows (a step's fixed cost only raises it): once a loop has drafted for a while only
-        its verifications are timed (tens of rows), and a slope through them can reach 0 s for a plain step of a few
-        rows, which adaptive K divides by (the serving_spec study's bf16 spec=self server: every later step failed)."""
+        switches paths past some row count makes a staircase, not a line); `line` itself where none is. Past the last
+        knot every row count timed is a knot too, at its fastest however few times it was timed: those are a drafting
+        loop's verifications, B x (K + 1) rows with B and K changing, which seldom repeat a count MIN_SAMPLES times,
+        and a slope through the plain steps' knots alone (a few rows that cost alike) would price them as nearly free.
+        A single timing errs only on the dear side (others on a shared machine only slow a step), against drafting.
+        Below the fewest rows timed, never under that step's share of its rows (a step's fixed cost only raises it):
+        once a loop has drafted for a while only its verifications are timed (tens of rows), and a slope through them
+        can reach 0 s for a plain step of a few rows, which adaptive K divides by."""
         a, b = line
         fastest, seen = self.points()
         knots = sorted(seen.items())
@@ -193,16 +190,15 @@ class StepYields:
     """What the engine loop's whole steps of decodes alone brought, by (decodes, K) (K = 0: plain steps), as tokens
     per second per token the plan expected: a step's rate is its expected tokens times the median of its (decodes,
     K)'s last ROUNDS yields, once MIN_SAMPLES of them are younger than MAX_AGE steps of as many decodes (a load at
-    another concurrency in between ages nothing: the serving study's c=8 loads, ~140 steps each between c=1 and c=4
-    ones, re-explored their K's at every load when any step counted, and lost 0.94x spec off's streams).
+    another concurrency in between ages nothing: counted in all steps, loads that alternate concurrencies would
+    re-explore their K's at every load).
 
     round_seconds' price adds up pieces, each the fastest timing of its kind (a verification of so many rows, a draft
     step), and leaves out what is no forward: the schedule, the draft's picks, rejection sampling, handing a
     round's tokens to the streams. Its tokens assume every round drafts its K and every token is wanted, where a
     round's drafting stops at a doubtful proposal and a request's last round ends at its max_tokens. Both err
-    towards drafting, more than a plain step's price does: bf16 SmolLM2 at c=8 on a 2-core AMX Xeon, K = 1 priced at
-    26.9 ms took 32.3 from schedule to hand-off, a plain step priced at 14.6 took 15.8, and the loop drafted while its
-    plain steps brought more tokens a second (the served streams 0.95x spec off's). Timed whole, each K is judged by
+    towards drafting, more than a plain step's price does, so a loop judged by prices alone drafts where its plain
+    steps bring more tokens a second. Timed whole, each K is judged by
     what its steps did; the expected tokens still follow the sequences' acceptance, and MAX_AGE lets a K judged
     long ago be tried again."""
 

@@ -44,10 +44,9 @@ class Calibration:
 def timed_lines(models: list[tuple[Transformer, FusedDecode | None]], rows: int) -> list[tuple[float, float]]:
     """Each model's steps as seconds = a + b * rows: steps of one row and of `rows` rows, after a short context, taken
     in turn MEASURE_REPEATS times; the first model's fastest one-row step, the others as the median of their ratios to
-    the one-row step of their turn (timed one model after the other, a burst of load on the machine while the draft's
-    steps ran read as a draft step costing 1.05 fp32 target steps one load and 0.15 the next; the fastest of each,
-    0.1-0.6 on a busy machine). Bytes are not the whole cost: SmolLM2's int4 self draft reads 0.8x an int8 target's
-    bytes but measured 1.03x its step (AVX-512)."""
+    the one-row step of their turn (timed one model after the other, or each by its fastest step, a burst of load on a
+    shared machine lands on one model only and the ratio swings by several times). Timed, not read off the weights'
+    bytes: a draft's step costs more than its bytes say where its kernels do more arithmetic per byte (int4's)."""
     runners = [SlotRunner.alone(model, MEASURE_CONTEXT + rows, fused) for model, fused in models]
     for runner in runners:
         runner.forward(list(range(MEASURE_CONTEXT)), last_only=True)

@@ -86,8 +86,8 @@ def pick_draft_token(
     dists: list[Tensor],
 ) -> tuple[int, float]:
     """The draft token from its (vocab,) logits, and the draft's probability of it; at T > 0 the distribution it
-    was drawn from goes to `dists` (the acceptance rule needs it). Greedy: the argmax, by argmax_rows (torch's
-    argmax over SmolLM2's 49k bf16 logits takes ~180 us, 1/20 of an int4 draft step), its softmax only when
+    was drawn from goes to `dists` (the acceptance rule needs it). Greedy: the argmax, by argmax_rows (torch's argmax
+    over a vocabulary of bf16 logits is a sizeable share of a small draft's step), its softmax only when
     `min_confidence` asks for it."""
     if params.greedy:
         row = logits.float()  # widened once, for the argmax and the confidence

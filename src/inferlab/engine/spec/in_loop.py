@@ -7,14 +7,14 @@ its whole steps at each K brought; at most spec.k; 0 in the step after a request
 prompt is likely on its way) and gives each room for that many draft tokens past its next one where the budget
 and free blocks allow (engine/scheduler.py); the drafter proposes within that room (spec/draft_model.py: one
 draft forward per draft step for all the sequences). A drafted sequence's segment of the step is then its last
-token and its drafts, every row's logits wanted: K+1 next-token distributions. A sequence with no drafts this step (K = 0,
-or a drafter with nothing to propose) is a plain decode of the step, exactly as with speculation off. Each
-drafted sequence is rejection-sampled on its own with the acceptance rule of spec/acceptance.py (at
-temperature 0: the drafts kept while they equal the target's argmax), so its tokens are distributed exactly as
-without speculation. The KV of the fed token and the accepted drafts is
-counted (and, once a block is full, findable in the prefix cache); the rejected rows' KV is not, and the
-blocks they took go back to the allocator. A round's tokens are streamed one by one through the request's
-own `accept`, which ends it at EOS, a stop string or max_tokens wherever that falls in the round.
+token and its drafts, every row's logits wanted: K+1 next-token distributions. A sequence with no drafts this step
+(K = 0, or a drafter with nothing to propose) is a plain decode of the step, exactly as with speculation off. Each
+drafted sequence is rejection-sampled on its own with the acceptance rule of spec/acceptance.py (at temperature 0:
+the drafts kept while they equal the target's argmax), so its tokens are distributed exactly as without
+speculation. The KV of the fed token and the accepted drafts is counted (and, once a block is full, findable in the
+prefix cache); the rejected rows' KV is not, and the blocks they took go back to the allocator. A round's tokens are
+streamed one by one through the request's own `accept`, which ends it at EOS, a stop string or max_tokens wherever
+that falls in the round.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class LoopSpeculation:
         first_rows = sum(self.drafts.unseen(r) for r in decodes)
         k = self._plan(acceptances, target, draft, first_rows)
         # timed only after a step of as many decodes alone: one after prompts or an end hands new streams their
-        # first tokens beside a busy client (bf16 c=8: plain steps of 7 decodes there 18.7-19.4 ms, of 8 15.7)
+        # first tokens beside a busy client, and runs slower than the steps that follow
         steady, self.last_decodes = self.last_decodes == len(decodes), len(decodes)
         self.planned = (len(decodes), k, expected_tokens(acceptances, k)[k]) if steady else None
         return [k] * len(decodes)

@@ -4,18 +4,16 @@
 // bf16: y = x @ W.T with the activations rounded to bf16, each product exact and summed in fp32 by the tiles' bf16
 // dot instruction (TDPBF16PS).
 //
-// The widened-bf16 multiply-adds of gemv.h's Bf16Step keep a step of 2-32 rows bound by the multiply-adds. SmolLM2's
-// whole bf16 decode step (fused, 150-token contexts, 2 threads, AMX Xeon), AVX-512 build vs this one, ms: 1 row 8.5
-// vs 10.3, 5 rows 14.1 vs 12.6, 8 17.9 vs 14.6, 16 30.7 vs 23.4, 24 41.1 vs 25.5, 32 51.9 vs 33.7. One row loses:
-// the tiles stream the weights from memory more slowly than vector loads (one pass over 270 MB on huge pages, 2
-// threads: 34 GB/s against 41; no prefetch order tried closed it; from L2 the tiles run at 188 GB/s), and a row's
-// sums must be the same whatever the call's rows, so one row cannot take the other kernel.
+// The widened-bf16 multiply-adds of gemv.h's Bf16Step keep a step of 2-32 rows bound by the multiply-adds, which the
+// tiles do many at once: the more rows, the more this gains. One row loses a little: the tiles stream the weights
+// from memory more slowly than vector loads (from L2 they run far faster), and a row's sums must be the same
+// whatever the call's rows, so one row cannot take the other kernel.
 //
 // A weight block of 16 rows x 32 columns is one A tile, loaded straight from the row-major weights; the
 // activations are the B tiles, 16 rows of column pairs by up to 16 activation rows; a C tile holds the block's
 // 16 x (up to 16) sums over the whole of K. The tile instruction's cost grows with the B tile's columns (padding
-// one row to 16 took 1.5x as long), so the tiles are configured to the rows the call has; beyond 16 rows each B
-// tile row starts a cache line (24 rows in 96-byte tile rows: 41 ms a step; padded to 128 bytes: 25.5). Each
+// one row to 16 would cost half as much again), so the tiles are configured to the rows the call has; beyond 16
+// rows each B tile row starts a cache line (tile rows that straddle lines load far more slowly). Each
 // (weight row, activation row) sum runs through the same instructions in the same order whatever else the call
 // holds, so a row's result does not depend on the other rows (batch invariance, as gemv.h's). Rounding the
 // activations to bf16 is what a bf16 model does between its layers anyway (the Python model's bf16 layers hand
@@ -63,9 +61,8 @@ struct Bf16Tiles {
   int64_t N, K, M;
   int64_t width;  // activation rows of a block of x: M up to 16, else 16 (a B tile's rows of 64 bytes)
   // (ceil(M / width), K / 2, width): activation row m's columns (2p, 2p + 1) at [m / width, p, m % width], as bf16.
-  // Each B tile is 1 KiB in one piece: with one (K / 2, M) matrix, its rows 4 M bytes apart fell into a quarter
-  // of L1's sets or less beyond 16 rows (SmolLM2's 120 products, 2 threads, ms: 256 rows 54.0-57.6 -> 48.0-49.4; a
-  // 127-token prompt's fused step 45.7 -> 41.2-43.5); 64-byte aligned. Left uninitialized: the tiles read only the
+  // Each B tile is 1 KiB in one piece: with one (K / 2, M) matrix, its rows 4 M bytes apart would fall into a
+  // quarter of L1's sets or less beyond 16 rows, and evict each other; 64-byte aligned. Left uninitialized: the tiles read only the
   // columns of the rows the call has, each written below
   std::unique_ptr<uint32_t[]> storage;
   uint32_t* x;
@@ -85,7 +82,7 @@ struct Bf16Tiles {
     }
     // per 16 activation rows and 32 columns: each row's 16 column pairs rounded to bf16, the 16 x 16 pairs transposed
     // in registers into their B tile rows (a pair's value of every activation row); put in place a pair at a time
-    // as above, this took ~7 % of the fused step of two 128-token prompts (SmolLM2 int4, perf)
+    // as above, this would be a visible share of a prompt's fused step
     const int64_t steps = K / kDepth, units = (M + kBlock - 1) / kBlock * steps;
     at::parallel_for(0, units, 8, [&](int64_t begin, int64_t end) {
       for (int64_t unit = begin; unit < end; ++unit) {
@@ -160,10 +157,9 @@ struct Bf16Tiles {
       _tile_zero(5);
       _tile_zero(7);
     }
-    // the next pair's weights requested into L2 in their memory order, a k step's share at a time (ahead in the
-    // order of the tile loads streamed slower, as did nothing: the hardware prefetcher then sees 32 strided rows).
-    // Beyond 32 rows this repeats for every 32 rows of the same pair; requesting them on its first 32 only was 1.35x
-    // as fast in a one-loop microbenchmark, but no faster in the fused step of two 128-token prompts (SmolLM2 int4)
+    // the next pair's weights requested into L2 in their memory order, a k step's share at a time (in the order of the
+    // tile loads, or not at all, the hardware prefetcher sees 32 strided rows and falls behind). Beyond 32 rows this
+    // repeats for every 32 rows of the same pair: requesting them on its first 32 only gains nothing in a whole step
     const char* next = reinterpret_cast<const char*>(a0 + 2 * kBlock * K);
     constexpr int64_t kAhead = 2 * kBlock * kDepth * sizeof(at::BFloat16);  // bytes: what a step reads of a pair
     for (int64_t k = 0; k < K; k += kDepth) {
@@ -180,8 +176,8 @@ struct Bf16Tiles {
         if (cols1) _tile_dpbf16ps(7, 3, 1);
       }
     }
-    // [weight row][activation row]: y's rows are its columns (transposed in registers, 16 x 16 with shuffles, instead
-    // of these scalar moves: the fused step of two 128-token prompts ~7 % slower)
+    // [weight row][activation row]: y's rows are its columns, moved out by scalar moves (a 16 x 16 transpose in
+    // registers with shuffles costs more than it saves)
     alignas(64) float c[kBlock * kBlock];
     auto store = [&](int64_t block, int64_t first, int64_t cols) {
       for (int64_t m = 0; m < cols; ++m) {  // a row of y at a time (16 values, a cache line): rows of y a multiple of
@@ -217,15 +213,11 @@ struct Bf16Tiles {
 // invariance). The layout is Bf16Tiles': A = 16 weight rows x 64 columns straight from the row-major weights, B =
 // the activations as quads of columns (blocks of 16 rows: K / 4, 16), C = 16 x up to 16 sums; two weight blocks
 // share each B load.
-// Covers N a multiple of 16 and K of 64. A tile instruction costs ~4 ns whatever its rows (measured here), so one
-// activation row is cheaper on Int8Step (gemv.h: kInt8TilesMinRows). Results go out a row of y at a time, as
-// Bf16Tiles' do. (int4 weights' integer products stay on gemv.h's kernel: their scale per 32 columns needs its own tile dots and a
-// store of their sums per block of 32 columns. Built and measured: the int16 codes split into bytes as here, the
-// nibbles masked into B tiles made a few blocks ahead, TDPBSUD + TDPBUUD per block, the sums read back a block or two
-// later and scaled as gemv.h's Int4Format does, the same floats to the bit. SmolLM2's projections, 2 threads, vs
-// the vector kernel, ms: 4 rows 4.3 vs 3.3, 8 rows 5.0 vs 5.1, 16 rows 8.1-8.7 vs 9.3. Without the tile
-// instructions (wrong sums, the rest kept) 16 rows took 4.8: the 9 tile instructions a block of 16 x 32 weights
-// needs cost about what the vector kernel's multiply-adds do.)
+// Covers N a multiple of 16 and K of 64. A tile instruction costs the same whatever its rows, so one activation row
+// is cheaper on Int8Step (gemv.h: kInt8TilesMinRows). Results go out a row of y at a time, as Bf16Tiles' do. (int4
+// weights' integer products stay on gemv.h's kernel: their scale per 32 columns needs its own tile dots and a store
+// of their sums per block of 32 columns, and the tile instructions a block of 16 x 32 weights then needs cost about
+// what the vector kernel's multiply-adds do: the same floats, no faster.)
 struct Int8Tiles {
   static constexpr int64_t kBlock = 16;  // weight rows per A tile; activation rows per B tile at most
   static constexpr int64_t kDepth = 64;  // columns per tile instruction (an A tile row: 64 int8)
@@ -235,9 +227,8 @@ struct Int8Tiles {
   const int8_t* w;  // (N, K)
   int64_t N, K, M;
   // high, low: (ceil(M / 16), K / 4, 16): activation row m's codes 4p .. 4p + 3 at [m / 16, p, m % 16], by byte; a B
-  // tile's rows 64 bytes (in 32- and 48-byte ones steps of 8 and 12 rows ran ~1.25x slower), the tile in one piece
-  // (as Bf16Tiles' activations: SmolLM2 int8's 120 products, 2 threads, ms: 32 rows 9.6 -> 8.2-8.5, 64 14.9-17.9 ->
-  // 14.1-15.1, 128 26.2-33.8 -> 22.8-25.7), 64-byte aligned
+  // tile's rows 64 bytes (tile rows of 32 or 48 bytes straddle cache lines and load more slowly), the tile in one
+  // piece (as Bf16Tiles' activations, so its rows do not crowd a few of L1's sets), 64-byte aligned
   std::vector<uint32_t> storage;
   uint32_t *high, *low;
   std::vector<float> x_scale;  // (M,)
@@ -358,28 +349,22 @@ struct Int8Tiles {
 // then per group a line of the rows' 16 fp16 scales and one of their 16 fp16 mins), multiplied in bf16: each block's
 // weights dequantized in cache, q * scale + min in fp32 rounded to bf16, which is what a layer's bf16 copy holds
 // (quant/int4.py's dequantize_groups_int4 multiplies, then adds; here one fused multiply-add, the same floats: a 4-bit
-// code times an fp16 scale is exact in fp32, so only the add rounds either way; the 16-row fused decode step 0.94x the
-// time, SmolLM2 int4, three rounds in alternating processes); the activations
-// rounded to bf16. The block's weights become B tiles of column pairs with a lane per weight row, as the int4 tiles
+// code times an fp16 scale is exact in fp32, so only the add rounds either way; one instruction fewer); the
+// activations rounded to bf16. The block's weights become B tiles of column pairs with a lane per weight row, as the int4 tiles
 // already hold them (a byte of a row's 4-byte chunk value is a pair of columns: no transpose), the activations A
 // tiles of 16 rows, C = activation rows x the block's 16 weight rows, summed in fp32 over the whole of K by the tiles'
 // bf16 dot (TDPBF16PS): the same floats as Bf16Tiles over the copy (the products of a pair and their order over K
 // are the same with A and B swapped). Two blocks at a time, each pair of B tiles loaded once for up to 32 activation
 // rows, and the next pair dequantized a k step at a time between this pair's tile dots (the vector units and the
-// tile unit at work together: 1.07-1.20x as fast as one after the other, 16-48 rows). The dequantizing costs ~10
-// instructions per 32 weights whatever the rows (each code picked out of its 4-byte value by a byte shuffle of the
-// value's masked low or high nibbles, not a shift and a mask: 30 layers' products at 16 rows 0.94x the time, 32 and 48
-// the same, bench/kernel_ab.py in turns); the int4 kernel's multiply-adds grow with them. SmolLM2's int4
-// projections (30 layers, 2 threads, AMX Xeon), the int4 kernel / the bf16 copy on Bf16Tiles / this (one after the
-// other), ms: 8 rows 6.4 / 9.9 / 6.4, 12 9.0 / 10.5 / 8.3, 16 11.1 / 10.8 / 9.1, 24 16.1 / 12.3 / 10.8, 32 20.5 /
-// 12.9 / 11.4, 40 26.1 / 19.3 / 14.7, 48 35.3 / 22.0 / 20.9, 56 36.5 / 23.3 / 23.9, 64 40.7 / 21.8 / 26.5, 128 82 /
-// 43 / 52; pipelined 16 7.9, 24 8.8, 32 10.5, 40 12.9, 48 14.2, 64 24.6 (copy 24.2), 80 32.3 (31.8), 96 35.6 (33.0)
-// (gemv.h: kInt4CopyFromRows). Covers N a multiple of 16 and groups of a multiple of 32 columns. (Built and
-// measured: the codes multiplied exactly instead, each as the bf16 1 + q / 16 (a byte shuffle, VPMULTISHIFTQB, and a
-// mask: ~2 instructions per 32 weights, no conversion), each group's sums stored from its tile and scaled by
-// 16 * scale, plus the group's sum of the activation row times min - 16 * scale. 9e-7 relative error against the exact
-// product, where the copy's numbers have 2e-3; but the store and scaling per group and 16 x 32 block cost about what
-// the dequantizing saved: 30 layers, 16 rows 10.6 vs 11.5 ms, from 24 rows slower (24 15.6 vs 12.8, 64 37 vs 24).)
+// tile unit at work together rather than one after the other). The dequantizing costs ~10 instructions per 32
+// weights whatever the rows (each code picked out of its 4-byte value by a byte shuffle of the value's masked low or
+// high nibbles, fewer instructions than a shift and a mask); the int4 kernel's multiply-adds grow with the rows, so
+// from a dozen or so rows this outruns it, and it reads a quarter of the bytes the bf16 copy streams. Where the rows
+// are many enough that the tile dots dominate, streaming the copy costs less than dequantizing (gemv.h:
+// kInt4CopyFromRows). Covers N a multiple of 16 and groups of a multiple of 32 columns. (Multiplying the codes
+// exactly instead, each as the bf16 1 + q / 16, with each group's sums stored from its tile and scaled, is far more
+// accurate than the copy's numbers but no faster: the store and scaling per group and block cost about what the
+// dequantizing saves, and more with more rows.)
 struct Int4DequantTiles {
   static constexpr int64_t kBlock = 16;  // weight rows per block (the tiles' lanes); activation rows per A tile
   static constexpr int64_t kDepth = 32;  // columns per tile instruction
@@ -389,7 +374,7 @@ struct Int4DequantTiles {
   const int32_t* tiles;  // (N / 16, K / 8 + G, 16) int32
   int64_t N, K, group, chunks, G, M;
   // (M, K) as bf16: the calling thread's buffer, kept from call to call (one allocated, zero-filled and first touched
-  // per call took ~2.4 % of a step of 14 decodes and a 28-row prompt chunk, perf); valid until this thread's next one
+  // per call is a visible share of a step); valid until this thread's next one
   uint16_t* x;
 
   Int4DequantTiles(const int32_t* tiles_, int64_t N_, int64_t K_, int64_t group_, const float* xf, int64_t M_)
@@ -397,9 +382,8 @@ struct Int4DequantTiles {
     thread_local std::vector<uint16_t> buffer;
     buffer.resize(std::max<size_t>(buffer.size(), M * K));
     x = buffer.data();
-    // rows split across threads beyond 32 Ki values (w2's K of 1536: from 22 rows; serial, the other thread waited:
-    // SmolLM2's 30 layers' products at 30-56 rows 0.94-0.98x the time split, bench/kernel_ab.py in turns; fewer
-    // values: a fork's cost)
+    // rows split across threads beyond 32 Ki values (serial, the other threads would wait; fewer values do not pay
+    // for a fork)
     for_each_row(M, [&](int64_t m) {
       for (int64_t i = m * K; i < (m + 1) * K; i += 16) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + i),
@@ -408,15 +392,14 @@ struct Int4DequantTiles {
     }, rows_holding(32768, K));
   }
 
-  // y (M, N) = the products + bias (when given), pairs of blocks split evenly across torch's threads. (Built and
-  // measured: pairs handed out a few at a time to whichever thread asked next, each thread dequantizing the pair it
-  // would take next, to absorb a thread slowed by other work: 30 layers at 16 rows no faster, 1.03x slower, 32 rows
-  // 0.99x, bench/kernel_ab.py in turns, though the even split left one thread waiting ~10 % of a call's time.)
+  // y (M, N) = the products + bias (when given), pairs of blocks split evenly across torch's threads. (Handing pairs
+  // out a few at a time to whichever thread asks next, to absorb a thread slowed by other work, gains nothing: each
+  // thread dequantizes the pair it takes next ahead of time, which a dynamic hand-out cannot know.)
   template <typename Y>
   void operator()(const float* bias, Y* y) const {
     at::parallel_for(0, N / kBlock, 2, [&](int64_t begin, int64_t end) {
       // four blocks' weights as B tiles: (K / 2 column pairs, 16 rows) each, written before they are read: the
-      // thread's buffer kept from call to call (allocated and zeroed per call: 30 layers at 16 rows ~2 % slower)
+      // thread's buffer kept from call to call (allocating and zeroing it per call costs a visible share)
       thread_local std::vector<uint32_t> b;
       b.resize(std::max<size_t>(b.size(), 2 * K * kBlock + 16));
       uint32_t* bt = line_aligned(b.data());
@@ -504,9 +487,8 @@ struct Int4DequantTiles {
 
  private:
   // k step s (columns 32 s .. 32 s + 31) of block blk's weights into bt: rows 16 s .. of the (K / 2, 16) column pairs,
-  // lane n = (w[n, 2p], w[n, 2p + 1]) as bf16. (Built and measured: each code picked by VPERMT2B (AVX-512 VBMI)
-  // from the masked nibbles straight into the order whose conversion two rows at a time is the tile row, sparing
-  // the final word permute: 30 layers' products at 16 rows 1.05x slower, bench/kernel_ab.py in turns.)
+  // lane n = (w[n, 2p], w[n, 2p + 1]) as bf16. (Picking each code by VPERMT2B (AVX-512 VBMI) straight into the
+  // tile row's order, sparing the final word permute, is slower: VPERMT2B costs more than the shuffle and permute.)
   void dequantize_step(int64_t blk, int64_t s, uint32_t* bt) const {
     const int32_t* t = tiles + blk * (chunks + G) * kBlock;
     const uint16_t* halves = reinterpret_cast<const uint16_t*>(t + chunks * kBlock);

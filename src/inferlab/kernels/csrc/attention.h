@@ -3,15 +3,13 @@
 //
 // With a single query there is nothing to tile: each head is one pass over its keys (scores), a
 // softmax, and one pass over its values. The library's flash-attention kernel spends most of its
-// time on set-up at this size (measured here: ~50 us per layer in fp32, ~170 us in bf16, for a
-// 9-head, 256-token cache), which this loop does not have. Keys live in blocks of a pool found
+// time on set-up at this size (a few heads, a few hundred cached tokens), which this loop does not have. Keys live in blocks of a pool found
 // through each sequence's block table (the contiguous cache is the case of one block per slot).
 // Query heads sharing a key/value head (GQA) are attended in one pass over its keys; exp is a
 // vectorized polynomial with relative error below 2e-7. Used by the `decode_attention` op and the whole decode step (decode_step.cpp).
 // On the amx build a step's runs of kChunkMinRows or more rows of one sequence (a prompt chunk, bf16 keys) attend on
-// the tiles instead (chunk_attention.h: SmolLM2's 30 layers, one chunk of 128 rows after 16 positions, 2 threads,
-// AMX Xeon: 4.9 ms against 11.5 a row at a time; the fused step of two new 128-token prompts: its attention phase
-// 12.7-12.9 ms against 22-25).
+// the tiles instead (chunk_attention.h: a chunk's rows share every key they read, which the tiles multiply at once
+// where this loop reads the keys again for each row).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -30,8 +28,8 @@ namespace inferlab {
 inline namespace INFERLAB_ISA {
 
 constexpr int64_t kMaxHeadDim = 256;
-constexpr int64_t kKeysPerThread = 256;  // below this many keys in all, one thread does every head (from 256
-// on, splitting a layer's heads across threads made int4 decode steps ~10% faster here at 128-256 positions)
+constexpr int64_t kKeysPerThread = 256;  // below this many keys in all, one thread does every head (fewer keys
+// do not pay for the fork and the join of splitting a layer's heads across threads)
 
 // One layer's keys or values: (num_blocks, H_kv, block_size, D), unit stride along D. An int8 pool holds
 // codes, with one fp32 scale per row in `scales` (num_blocks, H_kv, block_size): a row is written as
@@ -64,9 +62,8 @@ struct KvPool {
 
   // Head h's first n rows of block `block` requested into L1 (with an int8 pool's scales of them), all at once: a
   // sequence's blocks lie wherever the allocator put them, so the hardware prefetchers, which follow strides within a
-  // page, meet each block cold. SmolLM2's 30 layers, 16 sequences at position 160 in scattered bf16 blocks (the
-  // engine's pool, other work between steps), AMX Xeon, 2 threads, four rounds of each in turns: 5.4-6.0 ms without
-  // these, 4.1-4.5 with (one sequence: 0.65 either way); two blocks ahead measured the same as one.
+  // page, meet each block cold; many sequences' scattered blocks then wait on memory, one sequence's hardly. One
+  // block ahead is enough.
   void prefetch(int64_t block, int64_t h, int64_t n) const {
     const char* first = base(block, h);
     const int64_t bytes = n * row_stride * static_cast<int64_t>(sizeof(T));
@@ -77,11 +74,9 @@ struct KvPool {
   // Rows of head h in two blocks requested a row at a time, as f reads the rows of a third: `next`, this pool's block
   // after the one read (null at the last), and `beside`, the block read of `also` (null without), another pool read
   // next through the same table (the values of the keys read). Prefetching a whole block at once stalls on the core's
-  // few line-fill buffers (perf put ~80 % of the key pass's samples on its prefetches); a row's lines as each row is
-  // read spread the same requests over the block's work. SmolLM2's 30 layers on the AMX Xeon, 2 threads, the fused
-  // decode step of 16 sequences at 600-630 positions, three rounds in alternating processes: 21.6-22.1 ms against
-  // 24.0-25.6 a block at once, 25.3-27.6 with no prefetching (hardware prefetchers alone: the same at 128-token blocks);
-  // at 160 positions, and one sequence, the same as before. Prefetching into L2 (T1, T2) instead: the same.
+  // few line-fill buffers (the key pass then waits on its own prefetches); a row's lines as each row is
+  // read spread the same requests over the block's work, which pays for long contexts of many sequences and costs
+  // nothing at short ones. Prefetching into L2 (T1, T2) instead gains nothing over L1.
   struct Ahead {
     const char *next, *beside;
     int64_t row_bytes;
@@ -213,18 +208,13 @@ void with_heads(int64_t n, const F& f) {
 
 // Pass 1 for a tile of GT query heads q (fp32, GT rows of D) over keys 0..L-1 of head h: p + g * L the scores,
 // max_score[g] their maximum. V: D / S::N when known at compile time, else 0. With GT and V known, the query rows
-// and maxima here and the value sums of weigh_values stay in registers; with G counted at run time they lived in
-// memory, every update a store and a reload (SmolLM2's 30 layers for 16 sequences at position 160: 2.5-3.2 ms
-// then, 1.6-2.0 ms so; one sequence 0.43 -> 0.32 ms; the same floats, summed in the same order). Each key's
+// and maxima here and the value sums of weigh_values stay in registers; with G counted at run time they would live in
+// memory, every update a store and a reload (the same floats, summed in the same order, either way). Each key's
 // products with a query head are a vector of S::N partial sums; S::N keys' vectors are summed into one vector of
-// their scores at once (S::sums), not each across its own lanes (a horizontal sum per key and head). (Built and
-// measured: bf16 keys against the query rounded to bf16, two VDPBF16PS a key and head instead of widening the key and
-// four multiply-adds: no faster, 16 sequences at position 160 3.56 vs 3.43 ms, a prompt chunk of 128 rows after 16
-// positions 10.6 vs 10.4 ms, with 1e-3 error against 5e-7: the keys' products are not what bounds this loop. Nor on
-// the AMX tiles: a row's keys as A tiles straight from their blocks, its heads' bf16 query pairs as B, the values
-// interleaved by key pairs into B tiles: 30 layers, 16 sequences at position 160 7.0 vs 7.1 ms, at 600 33.6 vs 33.6,
-// with the keys in cache (16 sequences at 64) 1.26x slower. At serving's lengths the loop waits on the keys' and
-// values' bytes from memory, requested a block ahead a row at a time: KvPool::Ahead.)
+// their scores at once (S::sums), not each across its own lanes (a horizontal sum per key and head). The keys'
+// products are not what bounds this loop, so neither bf16 dot products against a bf16-rounded query (far larger
+// error) nor a decode row's keys on the AMX tiles would make it faster: at serving's lengths it waits on the keys'
+// and values' bytes from memory, requested a block ahead a row at a time (KvPool::Ahead).
 template <typename S, int V_, int GT, typename T>
 void score_heads(const float* q, const KvPool<T>& keys, const KvPool<T>& values, const int64_t* table, int64_t h,
                  int64_t L, int64_t D, float scale, float* p, float* max_score) {

@@ -1,9 +1,8 @@
 // One step of the whole decoder in one call, for any number of token rows: the decode tokens of many
 // sequences and the causal prompt chunks of others, mixed (each row has its own position and block table).
 //
-// Per token and layer the Python model makes ~35 tensor-op calls of ~6 us each (on this 2-core CPU
-// ~7 ms a step, a third of an int8 step), around four matrix-vector products that themselves take
-// 10-30 ms. Here the same step is a loop in C++ over the layers: RMSNorm -> wqkv -> RoPE -> k/v
+// Per token and layer the Python model makes ~35 tensor-op calls, each with its dispatch cost, around four
+// matrix-vector products: on a small CPU the calls alone are a large share of a step. Here the same step is a loop in C++ over the layers: RMSNorm -> wqkv -> RoPE -> k/v
 // written to the cache -> attention -> wo -> residual, then RMSNorm -> w13 -> SwiGLU -> w2 ->
 // residual, and the final norm and LM head, with the projections on the gemv kernel (gemv.h) and the
 // attention on the block-table kernel (attention.h). The residual stream stays fp32 between layers.

@@ -4,8 +4,8 @@
 // Decoding one token reads every weight once and does two flops per weight, so the speed limit is
 // how fast the weights stream from memory. This kernel reads each weight row from memory exactly once
 // per call, a step of 16 or 32 weights at a time, with several independent accumulators and software
-// prefetches far enough ahead that memory, not the instruction window, sets the pace (measured here:
-// int8 rows stream ~2x faster with them). Many activation rows make it a GEMM: each thread goes over
+// prefetches far enough ahead that memory, not the instruction window, sets the pace (the hardware prefetchers
+// alone keep too few lines in flight). Many activation rows make it a GEMM: each thread goes over
 // tiles of its weight rows small enough to stay in L2 and, per tile, over all activation rows a few at
 // a time, so a weight row comes from memory once and from cache for every further chunk of rows.
 // fp32 weights are fused-multiply-added, bf16 weights too once widened to fp32 (a shift or a mask; the amx
@@ -42,20 +42,17 @@ constexpr int64_t kMaxK = 8192;
 constexpr float kInt16Max = 16383;    // activation codes for integer weights: 2 * 127 * 16383 * (K / 16) fits int32
 constexpr float kInt8Max = 127;       // int4 weights' int8 activation codes per block (Int4Format's int8_x)
 // The amx build's int8 weights go on AMX tiles from this many activation rows on (amx.h: Int8Tiles; the same floats
-// as Int8Step's). SmolLM2 int8, AMX Xeon, 2 threads, the whole step's projections, Int8Step vs tiles, ms: 2 rows 3.0
-// vs 3.9, 4 3.7 vs 4.0, 5 4.9 vs 5.4, 6 5.5 vs 5.6, 8 6.5 vs 6.0, 16 11.6 vs 8.5, 32 21.0 vs 10.4; its LM head
-// (49152 x 576): 2 rows 0.53 vs 0.71, 5 1.01 vs 0.76, 8 1.40 vs 0.79, 16 2.64 vs 0.89
+// as Int8Step's): a tile instruction costs the same whatever its rows, so below this the vector dots, whose work
+// grows with the rows, are cheaper, and above it the tiles
 constexpr int64_t kInt8TilesMinRows = 6;
 // On the amx build, an int4 layer's products of a plan's dense_from_rows rows or more are taken in bf16 (the numbers
 // of its bf16 copy): its tiles dequantized in cache (amx.h: Int4DequantTiles) up to this many rows, its copy streamed
-// from memory from here on, where the copy's single pass outruns dequantizing (amx.h: the measured crossover)
+// from memory from here on, where the copy's single pass outruns dequantizing (amx.h: Int4DequantTiles)
 constexpr int64_t kInt4CopyFromRows = 56;
 
-// Every weight stream is requested into L2 only, this far ahead: one core alone keeps too few loads in flight. A
-// stream of pre-tiled int4 weights (one per thread) decoded SmolLM2 1.3x as fast so as into L1 4 KiB ahead (0.9x
-// at any distance) and 0.8x with none; dense rows too (AVX-512, one thread, A/B in one sitting): fp32 and int8 as
-// fast at one activation row, bf16 1.2x, and a step of 2-8 rows no longer pays the multiply-adds on top of the
-// stream (SmolLM2 fp32 at 7 rows: 2.4 -> 1.2 one-row steps, bf16 3.2 -> 2.2, with kRows weight rows per call)
+// Every weight stream is requested into L2 only, this far ahead: one core alone keeps too few loads in flight, and
+// requests into L1 (at any distance) crowd out the lines the multiply-adds read. With the stream in L2 ahead of
+// them, a step of a few activation rows pays the multiply-adds under the stream rather than on top of it
 constexpr int64_t kL2PrefetchBytes = 32 * 1024;
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kL2PrefetchBytes, _MM_HINT_T1); }
 constexpr int64_t kL1PrefetchBytes = 4 * 1024;  // int4 tiles: the lines requested into L1 this far ahead too
@@ -98,9 +95,8 @@ inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1)
 //   dot<R, M>(n, acc, m0, from_memory): acc[r * M + m] = (weight row n + r) . (activation row m0 + m) / x_scale[m0 + m]
 // with each product's sum in one order for every R and M (batch invariance). from_memory: this is the call's first
 // pass over these weight rows, whose stream is prefetched; later passes (more activation rows) find them in cache,
-// where a prefetch per line is only one more load instruction per few multiply-adds (SmolLM2's layers at 128 rows,
-// AVX-512 Zen 5, bench/kernel_ab.py: fp32 1.14-1.39x as fast without them, bf16 1.02-1.10x, int8 1.02x, int4
-// 1.06x). kTileRows weight rows go into one dot call with a single activation row, kRows with up to kChunk of many
+// where a prefetch per line is only one more load instruction per few multiply-adds, so they go without.
+// kTileRows weight rows go into one dot call with a single activation row, kRows with up to kChunk of many
 // activation rows.
 // The dense formats share one loop over steps of Step::kWidth weights (DenseFormat); a K that is not a
 // multiple of kWidth (only ever by kStep) ends with Step::tail, which reads the first kStep weights of a
@@ -170,8 +166,8 @@ struct DenseFormat {
 
 // fp32 weights: kStep of them fused-multiply-added per step, kLanes at a time
 struct Fp32Step {
-  // one activation row: one weight row at a time, as one stream (fp32 and bf16 alike: 4 rows in flight
-  // per thread streamed SmolLM2's matrices 1.3-1.8x slower here, on one thread and on two)
+  // one activation row: one weight row at a time, as one stream (fp32 and bf16 alike: several rows in flight per
+  // thread are several streams, which the prefetchers follow worse than one)
   static constexpr int kTileRows = 1, kRows = kLanes == 16 ? 4 : 2, kChunk = 4;
   static constexpr bool kExact = false;
   static constexpr int64_t kWidth = kStep, kXPerWeight = 1;
@@ -194,8 +190,8 @@ struct Fp32Step {
 // step: bf16 is the high half of an fp32, so a 32-bit lane holding weights 2i and 2i+1 gives weight 2i
 // shifted up and weight 2i+1 masked, and each step's activations are stored evens first, then odds. Every
 // product is exact and each sum rounds once, in fp32 (the bf16 dot instruction of AVX-512 would need the
-// activations split into two bf16 halves to stay that close, and measured here its dots of one weight row
-// streamed ~1.3x slower than these FMAs).
+// activations split into two bf16 halves to stay that close, and its dots of one weight row then stream slower
+// than these FMAs).
 struct Bf16Step {
   static constexpr int kTileRows = 1, kRows = kLanes == 16 ? 4 : 2, kChunk = 4;  // kTileRows: as fp32's
   static constexpr bool kExact = false;
@@ -226,14 +222,14 @@ struct Bf16Step {
 
 // int8 weights times int16 activation codes, summed exactly in int32 (madd, or VNNI's dpwssd), one
 // instruction per 2 * L::N weights, on lanes L: 256-bit steps for one activation row (512-bit ones, 32 bytes
-// widened a step, decoded SmolLM2 int8 15% slower on Zen 4, whose 512-bit widening shuffles are double-pumped;
-// the AVX-512 build still gains VNNI's fused multiply-add of the dots), the widest for more (the LM head over a
-// step of 16 rows, AVX-512: ~2x the multiply-adds per instruction). Each product sums in its 256-bit lane on
+// widened a step, are slower where 512-bit widening shuffles are double-pumped, and one row is bound by the stream,
+// not the multiply-adds; the AVX-512 build still gains VNNI's fused multiply-add of the dots), the widest for more
+// (many rows are bound by the multiply-adds, twice as many per 512-bit instruction). Each product sums in its 256-bit lane on
 // both (a 512-bit vector's halves are added before the total), so both give a row the same float, to the bit.
 template <typename L>
 struct Int8Step {
-  // one row at a time, as one stream: int8 rows are short (one 576-byte row of the model is 9 cache
-  // lines), and 4 of them in flight per thread streamed ~20% slower here than one
+  // one row at a time, as one stream: int8 rows are short (a row of a few hundred weights is a few cache
+  // lines), and several of them in flight per thread are several streams, which the prefetchers follow worse
   static constexpr int kTileRows = 1, kRows = kLanes == 16 ? 4 : 2, kChunk = 4;
   static constexpr bool kExact = true;
   static constexpr int64_t kWidth = 2 * L::N, kXPerWeight = 1;
@@ -282,8 +278,8 @@ void chunk_rows(const F& f, int64_t m0, const float* scales, const float* bias, 
 
 // chunk_rows for a chunk of mr <= MR activation rows: with one, F::kTileRows weight rows per dot call; with
 // more, F::kRows, each activation load shared by their products: a decode batch of 2-8 rows (a speculative
-// verification) is bound by the multiply-adds, not the weights' stream (SmolLM2's step of 7 rows, AVX-512, one
-// thread, against one weight row per call: fp32 1.4x, bf16 1.8x, int8 1.6x as fast)
+// verification) is bound by the multiply-adds, not the weights' stream, and loads of the activations are a large
+// part of them
 template <typename F, typename Y, int MR = F::kChunk>
 void chunk_rows_of(int64_t mr, const F& f, int64_t m0, const float* scales, const float* bias, Y* y, int64_t N,
                    int64_t begin, int64_t end, bool from_memory) {
@@ -304,9 +300,9 @@ void rows(const F& f, int64_t M, const float* scales, const float* bias, Y* y, i
   const int64_t tile = many ? std::max<int64_t>(F::kRows, kTileBytes / row_bytes / F::kRows * F::kRows)
                             : M <= F::kChunk ? end - begin : F::kRows;
   // activation rows in chunks of near-equal size (5 rows: 3 + 2, not 4 + 1): a chunk of one row beside others
-  // sums into one chain of fused multiply-adds that waits on itself, the weights already in cache (a bf16 step
-  // of 5 rows, AVX-512 Zen 4: ~1.3x its step of 4; in chunks of 3 and 2, ~1.0x). Which chunk a row falls in
-  // does not change its sums
+  // sums into one chain of fused multiply-adds that waits on itself, the weights already in cache (a step of 5 rows
+  // in 4 + 1 would take longer than one of 4; in 3 + 2, about as long). Which chunk a row falls in does not change
+  // its sums
   const int64_t chunks = (M + F::kChunk - 1) / F::kChunk;
   for (int64_t t = begin; t < end; t += tile) {
     const int64_t t_end = std::min(end, t + tile);
@@ -352,9 +348,8 @@ void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* 
 // uint8 times four int8 codes in one multiply-add of quads (VNNI's vpdpbusd; AVX2's maddubs + an int16 add, the
 // block's sums widened to int32 once): 2 instructions per chunk and row of activations on AVX-512, 4 on AVX2 (6
 // when each chunk widened its own), 3 to unpack it, and a block's float update
-// sum += float(q . codes) * scale * the block's code scale. SmolLM2's int4 at int8 codes has ten times the
-// logit error of its int16 codes against fp32 (teacher-forced min cosine 0.982 vs 0.9993), so the served int4
-// model keeps int16.
+// sum += float(q . codes) * scale * the block's code scale. int4 at int8 codes has about ten times the logit
+// error of its int16 codes against fp32, so the served int4 model keeps int16 unless asked (precision.activations).
 struct Int4Format {
   using L = Wide;
   static constexpr int kChunk = kDecodeRows;  // activation rows per pass over a tiled block
@@ -483,8 +478,8 @@ struct Int4Format {
   }
 
   // Block kb's scales and (at its group's first block) mins, a lane per row of the block: read once for every
-  // activation row (converted from fp16 once, not once per row: with the conversion in each row's update,
-  // SmolLM2's int4 prefill of 128 tokens ran 0.67x as fast, 1,450 against 2,160 tok/s; hoisted, 2,300)
+  // activation row (converted from fp16 once, not once per row: in each row's update the conversions would be a
+  // large share of a prompt's work)
   struct BlockScales {
     L::V scale, min;
     int64_t g;
@@ -516,9 +511,8 @@ struct Int4Format {
 
   // Independent integer sums per activation row in dot<M>: an even-s and an odd-s one per chunk of a group of
   // chunks. Each multiply-add waits for the one before it on its sum (5 cycles), so one or two activation rows with
-  // two sums each waited on that, not on the ports: SmolLM2's int4 step of one row ran at ~13 multiply-adds a
-  // cycle, under half what its instructions allow. More rows bring their own sums; past 4 they would not fit the
-  // registers.
+  // two sums each would wait on that, not on the ports, at under half the multiply-adds a cycle its instructions
+  // allow. More rows bring their own sums; past 4 they would not fit the registers.
   static constexpr int chains(int M) { return M == 1 ? 8 : M <= 4 ? 4 : 2; }
 
   // sum[m] = the tiled block's rows . activation row m0 + m; from_memory as DenseFormat::dot's; kInt8X: int8_x
@@ -534,13 +528,12 @@ struct Int4Format {
       // each line of the tile's stream requests the one kL2PrefetchBytes on, on the first pass over it
       if (prefetch) prefetch_l2(rows.group_line(block_group[kb]));
       // the block's chunks lie in one vector of chunks (kBlock / 8 divides L::N): their pairs at block_pairs + j, per
-      // activation row a stride on (computed once a block, not per chunk: steps of 5 rows 1.07-1.14x as fast)
+      // activation row a stride on (computed once a block, not per chunk: address arithmetic off the chunks' path)
       const int32_t* block_pairs = kInt8X ? x8.data() + (m0 * chunks + kb * kBlock / 8) * 2 : pairs(m0, kb * kBlock / 8);
 #pragma GCC unroll 4  // whole: which sums a chunk updates is then known at compile time, and they stay in registers
       for (int j = 0; j < kBlock / 8; ++j) {  // the block's chunks
         const int64_t c = kb * kBlock / 8 + j;
-        if (prefetch) {  // into L2 far ahead, and from there into L1 a little ahead (a decode step's rows
-                         // 1.03-1.06x as fast, AVX-512 Zen 5, in-process A/B): each line takes several
+        if (prefetch) {  // into L2 far ahead, and from there into L1 a little ahead: each line takes several
                          // instructions, so fewer lines wait in the instruction window than in a dense row
           prefetch_l2(rows.code_lanes + c * L::N);
           _mm_prefetch(reinterpret_cast<const char*>(rows.code_lanes + c * L::N) + kL1PrefetchBytes, _MM_HINT_T0);
@@ -691,11 +684,9 @@ struct Int4Format {
 
 // Each row of x (M, K) -> that row of out (may be x) = x * rsqrt(mean(x^2) + eps) * norm_weight, in fp32: the RMSNorm
 // before the product. The squares are summed in double, in 16 sums a column apart (lanes of vectors: one chain of
-// scalar adds made the norm ~4 % of a 256-row fused step, one add's latency per column). Rows split across threads
-// only beyond kNormValues values: a step of 16 decodes normalized 16 x 576 values in ~2.5 us on one thread,
-// ~4-10 us split in two (the fork and the join; SmolLM2 int4, AMX Xeon, a clock around the norm: 0.07-0.08 against
-// 0.13-0.31 ms a step of 30 layers); SwiGLU's 16 x 1536 (for_each_row's own grain) ran faster split (0.29 against
-// 0.35-0.43 ms)
+// scalar adds would pay one add's latency per column). Rows split across threads only beyond kNormValues values:
+// below that the fork and the join cost more than the norm of a decode step's rows on one thread; SwiGLU's wider
+// rows (for_each_row's own grain) gain from the split
 constexpr int64_t kNormValues = 16384;
 inline void rms_normalize(const float* x, float* out, int64_t M, int64_t K, const float* norm_weight, double eps) {
   constexpr int64_t kSums = 16;

@@ -15,8 +15,8 @@ constexpr int64_t kTileBytes = 64 * 1024;  // weight rows a thread multiplies in
 constexpr int64_t kGrain = 64;             // weight rows per thread at least
 
 // f(m) for each activation row m < M, rows split across torch's threads beyond `grain` rows: the work around the
-// products (norms, SwiGLU, activation codes) is per row, and a prompt chunk's rows are many (serial, preparing 16 rows
-// of SmolLM2's w2 took ~50 us beside a 200 us product on two threads)
+// products (norms, SwiGLU, activation codes) is per row, and a prompt chunk's rows are many (serial, that work is a
+// sizeable share of a product split across threads)
 constexpr int64_t kRowGrain = 4;
 template <typename F>
 void for_each_row(int64_t M, const F& f, int64_t grain = kRowGrain) {
@@ -31,11 +31,9 @@ inline int64_t rows_holding(int64_t values, int64_t K) { return std::max(kRowGra
 // f(chunk, m) for every chunk of columns < chunks and activation row m < M, split across torch's threads by chunks,
 // `values` columns to a chunk: for a layout that interleaves the activation rows. The AMX tiles' activations (amx.h)
 // hold one value of every activation row in each 64-byte row of a B tile, so threads that split the activation rows
-// between them wrote into the same cache lines: SmolLM2's w13 (3072 x 576) at 16 rows took 126 us on two threads
-// against 81 us at one row (one thread 178 vs 158); split by columns, 99 us. All of SmolLM2's projections
-// (bench/kernel_ab.py, 30 layers, two threads, AMX Xeon), split by columns over split by rows: bf16 8 rows 1.09x as
-// fast, 16 rows 1.37x, 32 rows 1.25x; int8 8 rows 1.25x, 16 rows 1.41x, 32 and 56 rows 1.14x; the same floats. Few
-// values stay on the calling thread.
+// between them would write into the same cache lines, and a product of many rows on two threads would take longer
+// than one of a single row; split by columns, each thread writes lines of its own (the same floats). Few values
+// stay on the calling thread.
 template <typename F>
 void for_each_chunk(int64_t chunks, int64_t values, int64_t M, const F& f) {
   constexpr int64_t kMinValues = 4096;  // per thread's share at least
