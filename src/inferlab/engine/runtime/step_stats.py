@@ -76,11 +76,12 @@ class StepStats:
     @contextmanager
     def run(self, prompts: bool) -> Iterator[None]:
         """A step's run, its forward and sampling: timed into prompt_step_s for a step that fed `prompts`."""
-        start = time.perf_counter()
-        yield
-        if prompts:
-            self.prompt_steps += 1
-            self.prompt_step_s += time.perf_counter() - start
+        if not prompts:
+            yield
+            return
+        with self.timed("prompt_step"):
+            yield
+        self.prompt_steps += 1
 
     def count(self, decode_rows: int, prompt_rows: int, fused: bool) -> None:
         self.steps += 1
