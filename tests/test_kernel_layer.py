@@ -8,6 +8,7 @@ from inferlab.kernels.build import int4_tile_rows
 from inferlab.kernels.fused_decode import projection_parts
 from inferlab.kernels.gemv import GemvLinear
 from inferlab.kernels.layer import KernelLayer, KernelWeights
+from inferlab.model import transformer
 from inferlab.quant.int4 import Int4GroupLinear, tile_rows, unpack_nibbles, untile_rows
 from inferlab.quant.int8 import Int8Linear
 
@@ -55,3 +56,15 @@ def test_kernel_weights_refuse_a_format_their_tensors_do_not_have():
     with pytest.raises(ValueError, match="only they, have mins"):
         KernelWeights("int4", torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1))
     assert KernelWeights("fp32", w).parts()[1].numel() == 0
+
+
+def test_fp32_rows_over_bf16_weights_beyond_the_kernel_are_the_widened_product(monkeypatch):
+    """An LM head's many rows (prompt logprobs) in fp32 over a bf16 head: the weight widened a slice at a time, the
+    same floats as widening it whole."""
+    monkeypatch.setattr(transformer, "LOGIT_SLICE_VALUES", 3 * 32)  # 3 weight rows a slice: 7 slices of 20 rows
+    torch.manual_seed(0)
+    head = GemvLinear(nn.Linear(32, 20, bias=True).to(torch.bfloat16))
+    x = torch.randn(2, 40, 32)  # beyond the kernel's rows
+    want = torch.nn.functional.linear(x, head.weight.float(), head.bias.float())
+    got = head(x)
+    assert got.dtype == torch.float32 and torch.equal(got, want)

@@ -449,7 +449,7 @@ class InferenceEngine:
         if self.scheduler is not None:
             parts.append(f"up to {c.scheduler.max_running} running sequences")
         if c.device.type == "cpu":
-            share = ", fewer while other processes keep those busy" if c.small_steps.share and self.loop else ""
+            share = ", fewer while other processes keep those busy" if c.small_steps.share else ""
             grant = f" ({c.cpus.describe()}{share})" if c.cpus else ""
             threads = c.threads or torch.get_num_threads()
             parts.append(f"{threads} thread{'s' * (threads != 1)}{grant}")

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from inferlab.kernels.build import active_isa, cpu_gemv_available, kernel_ops
 from inferlab.kernels.layer import DenseCopyLayer, KernelWeights
-from inferlab.model.transformer import RMSNorm, swiglu
+from inferlab.model.transformer import RMSNorm, swiglu, widened_linear
 
 GEMV_MAX_ROWS = 8  # rows up to which the kernel runs a dense layer (csrc/gemv.h: kDecodeRows)
 # rows up to which the int4 kernel runs a layer that holds a bf16 copy (AMX CPUs only: layer.DenseCopyLayer): about
@@ -133,5 +133,7 @@ class GemvLinear(nn.Module):
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
         if self.use_kernel and gemv_fits(x, self.in_features * (1 + gated)):
             return gemv(x, self.weight, None, self.bias, norm, gated)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(prepared_input(x, norm, gated), self.weight.to(x.dtype), bias)  # fp32 rows: an fp32 LM head
+        x = prepared_input(x, norm, gated)
+        if x.dtype != self.weight.dtype:  # fp32 rows over bf16 weights: the LM head's fp32 logits, many rows
+            return widened_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)

@@ -153,23 +153,26 @@ def logits_fp32(output: nn.Module, norm: RMSNorm, x: Tensor) -> Tensor:
 
     bf16's spacing near a logit of 25 is 0.125: rounded to it, a margin of 0.08 between the top two tokens becomes a
     tie, and greedy decoding follows whichever comes first. Kernel layers take fp32 rows over any weight format; any
-    other head has its weight widened a slice of the vocabulary at a time, so a large vocabulary's widened copy
-    never exists whole.
+    other head multiplies them by its weight widened to fp32 (widened_linear).
     """
     x = x.float()
-    if getattr(output, "fuses_input", False):
-        return output(x, norm=norm)
-    x = norm(x)
-    weight, bias = output.weight, output.bias
-    logits = x.new_empty(*x.shape[:-1], weight.shape[0])
+    if getattr(output, "fuses_input", False) or output.weight.dtype == torch.float32:
+        return linear_after_norm(output, norm, x)
+    return widened_linear(norm(x), output.weight, output.bias)
+
+
+def widened_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear of fp32 rows `x` over a lower-precision weight widened to fp32 a slice of its rows at a time, so that
+    a large vocabulary's widened copy never exists whole."""
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
     step = max(1, LOGIT_SLICE_VALUES // weight.shape[1])
     for start in range(0, weight.shape[0], step):
         part = slice(start, start + step)
-        logits[..., part] = F.linear(x, weight[part].float(), None if bias is None else bias[part].float())
-    return logits
+        out[..., part] = F.linear(x, weight[part].float(), None if bias is None else bias[part].float())
+    return out
 
 
-LOGIT_SLICE_VALUES = 1 << 23  # weights widened to fp32 at a time by logits_fp32 (32 MiB)
+LOGIT_SLICE_VALUES = 1 << 23  # weights widened to fp32 at a time by widened_linear (32 MiB)
 
 
 def swiglu(gate_up: Tensor) -> Tensor:

@@ -50,7 +50,8 @@ class StepThreads:
 
 
 class StepTeam:
-    """The engine loop's team for each step, by StepThreads' policy (one per loop: it keeps the CPU readings)."""
+    """Each forward's team by StepThreads' policy: one per engine, shared by its loop and its direct calls (it keeps
+    the CPU readings)."""
 
     def __init__(self, policy: StepThreads) -> None:
         self.policy = policy
