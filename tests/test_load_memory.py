@@ -1,7 +1,7 @@
 """Loading without waste, measured in a fresh interpreter (/proc's VmHWM peak and VmRSS, api.memory_mib):
 a bf16 HF checkpoint peaks under 1.3x its file size over the interpreter's baseline (never a full fp32
-copy), and the default GGUF at precision=int4 (its Q4_1 blocks imported as they are) peaks within 1.25x of
-its steady RSS, which is at most `import torch` + weights + KV pool + 150 MiB."""
+copy), and the default GGUF at precision=int4 (its Q4_1 blocks imported as they are) peaks within 1.1x of
+its steady RSS, which is at most `import torch` + weights + 150 MiB (the KV pool's pages commit as blocks fill)."""
 
 import json
 import os
@@ -98,13 +98,14 @@ def test_bf16_checkpoint_loads_under_1_3x_its_file_size(bf16_checkpoint):
 
 
 @pytest.mark.slow
-def test_default_gguf_at_int4_peaks_within_1_25x_of_steady():
+def test_default_gguf_at_int4_peaks_within_1_1x_of_steady():
     # without the dequantized copies for many-row steps (device.dense_copy_mb): those trade memory for speed
     # on purpose, after loading, and are sized by their own budget; this measures what loading itself holds
     m = measure(
         "from inferlab import load_engine\nfrom inferlab.quant import weight_bytes",
         "engine = load_engine(precision='int4', device='cpu', **{'device.dense_copy_mb': 0})",
-        "dict(weights=weight_bytes(engine.model) / 2**20, kv=engine.paged.nbytes / 2**20)",
+        "dict(weights=weight_bytes(engine.model) / 2**20)",
     )
-    assert m["peak"] <= 1.25 * m["now"], m
-    assert m["now"] <= m["torch"] + m["weights"] + m["kv"] + 150, m
+    assert m["peak"] <= 1.1 * m["now"], m
+    # the KV pool's pages are committed as blocks fill (kernels/huge_pages.py): none is resident after loading
+    assert m["now"] <= m["torch"] + m["weights"] + 150, m

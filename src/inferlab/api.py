@@ -11,8 +11,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from inferlab.engine.engine import EngineConfig, InferenceEngine
+from inferlab.engine.kv.budget import KVPool, size_kv_pool
+from inferlab.engine.kv.contiguous import compute_kv_cache_bytes
 from inferlab.engine.kv.int8 import KV_INT8
-from inferlab.engine.kv.paged import blocks_for_budget
 from inferlab.engine.runtime.cpus import cpu_grant
 from inferlab.engine.runtime.threads import StepThreads, on_own_thread
 from inferlab.engine.sampling import SamplingParams
@@ -20,13 +21,13 @@ from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.engine.spec.build import build_speculation
 from inferlab.errors import InvalidRequestError, ModelLoadError
 from inferlab.kernels.select import choose_isa, select_kernels
+from inferlab.model.config import ModelConfig
 from inferlab.model.gguf_loader import release_gguf
 from inferlab.model.loader import load_model
 from inferlab.model.native_format import native_precision
 from inferlab.native_memory import return_freed_memory
 from inferlab.paths import conf_dir
 from inferlab.quant import quantize_model
-from inferlab.quant.gguf_q4 import Q4_1_GROUP
 
 CONF_DIR = conf_dir()
 log = logging.getLogger(__name__)
@@ -144,11 +145,14 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
     kv_dtype = kv_dtype_of(cfg.cache)
     int8_activations = int8_activations_of(cfg.precision)
     choose_isa(device, cfg.device.kernels, cfg.device.isa)
-    # int4 at Q4_1's group size imports a GGUF's blocks as they are: those Linears are never dequantized
-    leave_q4_1 = cfg.precision.quant == "int4" and cfg.precision.get("group_size") == Q4_1_GROUP
-    loaded = load_model(model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0, leave_q4_1=leave_q4_1)
+    # a GGUF's Linears that will be quantized are read layer by layer as they are (int4 at Q4_1's group size
+    # imports the file's blocks as they are): the float model never exists whole
+    defer = bool(cfg.precision.quant)
+    loaded = load_model(model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0, defer_linears=defer)
     if cfg.precision.quant:
-        quantize_model(loaded.model, cfg.precision.quant, cfg.precision.get("group_size"), loaded.gguf_path)
+        quantize_model(
+            loaded.model, cfg.precision.quant, cfg.precision.get("group_size"), loaded.gguf_path, loaded.stand_ins
+        )
     # the drafts before the kernels: a self draft is built from the target's own layers, and kernels and
     # huge pages are then chosen for both at once, so the tensors they share stay shared
     speculation = build_speculation(
@@ -156,8 +160,8 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
     )
     drafts = speculation.drafter.models() if speculation else []
     release_gguf()  # before the kernels' copies (huge pages, dense copies), so those never coexist with it
+    return_freed_memory()  # what loading freed (the GGUF's metadata, the float weights quantized away), likewise
     select_kernels(nn.ModuleList([loaded.model, *drafts]), device, dtype, cfg.device.kernels, cfg.device.dense_copy_mb)
-    return_freed_memory()  # what loading freed (the GGUF's metadata, the float weights quantized away)
     defaults = SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
@@ -166,11 +170,11 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
         seed=cfg.seed,
         stop=list(cfg.stop),
     )
-    kv_blocks = (
-        blocks_for_budget(loaded.config, cfg.cache.kv_budget_mb, cfg.cache.block_size, kv_dtype or dtype)
-        if cfg.cache.kv_budget_mb
-        else 0
-    )
+    pool = kv_pool(cfg, loaded.config, kv_dtype or dtype)
+    if pool is not None:  # the longest sequence is what the pool can hold, if less than the model's context
+        per_sequence = pool.tokens // (cfg.cache.slots if cfg.cache.mode == "contiguous" else 1)
+        if per_sequence < loaded.config.max_seq_len:
+            loaded.model.limit_context(per_sequence)
     config = EngineConfig(
         device=device,
         dtype=dtype,
@@ -180,7 +184,8 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
         slots=cfg.cache.slots,
         defaults=defaults,
         block_size=cfg.cache.block_size,
-        kv_blocks=kv_blocks,
+        kv_blocks=pool.tokens // cfg.cache.block_size if pool is not None and cfg.cache.mode == "paged" else 0,
+        kv_pool=pool,
         prefix_cache=cfg.cache.prefix,
         scheduler=SchedulerConfig(**cfg.scheduler),
         kernels=cfg.device.kernels,
@@ -199,6 +204,22 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
     if speculation is not None:  # adaptive K counts a draft step in target steps as timed here, not as bytes
         speculation.drafter.measure_cost(loaded.model, engine.fused, speculation.k + 1)
     return engine
+
+
+def kv_pool(cfg: DictConfig, model: ModelConfig, kv_dtype: torch.dtype) -> KVPool | None:
+    """The KV memory of cache=paged (its pool) or cache=contiguous (its slots), sized once the weights are in place
+    (engine/kv/budget.py); None for cache=none, which keeps no KV."""
+    if cfg.cache.mode == "none":
+        return None
+    longest = model.max_seq_len * (cfg.cache.slots if cfg.cache.mode == "contiguous" else cfg.scheduler.max_running)
+    return size_kv_pool(
+        compute_kv_cache_bytes(model, 1, 1, kv_dtype),
+        cfg.cache.block_size if cfg.cache.mode == "paged" else 1,
+        cfg.cache.get("kv_tokens"),
+        cfg.cache.kv_budget_mb,
+        float(cfg.cache.get("kv_memory_share", 0.25)),
+        longest,
+    )
 
 
 def kv_dtype_of(cache: DictConfig) -> torch.dtype | None:

@@ -28,6 +28,11 @@ def default_draft_dir(model_name: str) -> Path:
     return cache_dir() / "drafts" / model_name
 
 
+def shape_file(model_name: str, file_format: str) -> Path:
+    """A shape preset's GGUF file in one format (random weights, made by bench/model_files.py): in the cache dir."""
+    return cache_dir() / "models" / model_name / f"{model_name}.{file_format}.gguf"
+
+
 def source_tree() -> Path | None:
     """The repository when the package runs from it (src/inferlab), else None (an installed wheel)."""
     root = Path(__file__).resolve().parents[2]

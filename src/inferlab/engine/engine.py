@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from inferlab.engine.kv.block_manager import BlockManager
+from inferlab.engine.kv.budget import KVPool
 from inferlab.engine.kv.contiguous import KVCache, SlotPool, compute_kv_cache_bytes
 from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.engine.kv.prefix_cache import PrefixCache
@@ -84,6 +85,7 @@ class EngineConfig:
     small_steps: StepThreads = StepThreads()  # the engine loop's intra-op threads per step (engine/runtime/threads.py)
     threads: int = 0  # a step's intra-op threads at most (device.threads, else the grant's); 0 = torch's count
     cpus: CpuGrant | None = None  # what the OS grants the process (the startup line)
+    kv_pool: KVPool | None = None  # how the KV memory was sized (engine/kv/budget.py; the startup line)
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -439,13 +441,17 @@ class InferenceEngine:
         parts = [f"precision {c.precision or c.dtype}", f"cache={c.cache_mode}"]
         if c.int8_activations and self.fused is not None:
             parts.insert(1, "int8 activation codes on the fused step")
+        sized = f"; {c.kv_pool.describe()}" if c.kv_pool else ""
         if c.cache_mode == "paged":
             parts.append(
                 f"{self.blocks.num_blocks} KV blocks of {c.block_size} tokens in {str(c.cache_dtype).removeprefix('torch.')} "
-                f"({self.paged.nbytes / 2**20:.0f} MiB), prefix cache {'on' if c.prefix_cache else 'off'}"
+                f"({self.paged.nbytes / 2**20:.0f} MiB{sized}), prefix cache {'on' if c.prefix_cache else 'off'}"
             )
         elif c.cache_mode == "contiguous":
-            parts.append(f"{c.slots} KV slots of {c.max_seq_len} tokens ({self.kv_cache.nbytes / 2**20:.0f} MiB)")
+            parts.append(
+                f"{c.slots} KV slots of {c.max_seq_len} tokens ({self.kv_cache.nbytes / 2**20:.0f} MiB{sized})"
+            )
+        parts.append(f"context {c.max_seq_len:,} tokens a sequence")
         if self.scheduler is not None:
             parts.append(f"up to {c.scheduler.max_running} running sequences")
         if c.device.type == "cpu":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import mmap
 import sys
 
 import torch
@@ -28,6 +29,7 @@ from inferlab.native_memory import return_freed_memory
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 MIN_BYTES = 1 << 16  # norms and biases stay put: a few KiB each, read from cache
+TRIM_BYTES = 32 << 20  # the move hands freed originals back to the system every this many bytes
 
 log = logging.getLogger(__name__)
 
@@ -44,21 +46,30 @@ def _advised_arena(nbytes: int) -> Tensor | None:
     """`nbytes` of fresh memory (uint8) from a 2 MiB boundary on, advised as huge pages before anything touches it;
     None where the advice is refused."""
     pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    raw = torch.empty(pages + HUGE_PAGE, dtype=torch.uint8)  # untouched yet: its pages fault in after the advice
+    raw = _fresh_pages(pages + HUGE_PAGE)
     start = -raw.data_ptr() % HUGE_PAGE
     if not _advise_huge_pages(raw.data_ptr() + start, pages):
         return None
     return raw[start : start + nbytes]
 
 
+def _fresh_pages(nbytes: int) -> Tensor:
+    """An anonymous mapping as uint8: the kernel hands its pages over zero-filled, each when first touched, so a
+    buffer of zeros costs memory only as far as it is written (a KV pool sized from the memory available holds
+    the blocks its sequences have used, not the whole budget)."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """torch.zeros(shape, dtype, device), on huge pages where it is CPU memory of at least one huge page and the
-    advice is granted (a KV pool)."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    arena = _advised_arena(nbytes) if device.type == "cpu" and nbytes >= HUGE_PAGE else None
-    if arena is None:
+    advice is granted (a KV pool); CPU memory comes from fresh pages either way, resident as it is written."""
+    if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return arena.view(dtype).view(shape).zero_()
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    arena = _advised_arena(nbytes) if nbytes >= HUGE_PAGE else None
+    if arena is None:
+        arena = _fresh_pages(max(nbytes, 1))[:nbytes]
+    return arena.view(dtype).view(shape)
 
 
 def _large_tensors(model: nn.Module, min_bytes: int) -> dict[int, Tensor]:
@@ -83,25 +94,27 @@ def move_weights_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> 
     the advice is refused and nothing moved)."""
     tensors = _large_tensors(model, min_bytes)
     offsets, total = {}, 0
-    for ptr, tensor in tensors.items():
+    for ptr, nbytes in [(ptr, t.nbytes) for ptr, t in tensors.items()]:
         offsets[ptr] = total
-        total += -(-tensor.nbytes // 64) * 64  # each tensor 64-byte aligned
+        total += -(-nbytes // 64) * 64  # each tensor 64-byte aligned
     if total == 0:
         return 0
     arena = _advised_arena(total)
     if arena is None:
         log.info("huge pages refused (madvise errno %d); weights stay on normal pages", ctypes.get_errno())
         return 0
-    moved: dict[int, Tensor] = {}
-    for ptr, tensor in tensors.items():
+    # one tensor at a time, each pointed at its copy in place (`.data`): whatever holds the tensor (modules, tied
+    # weights, kernel wrappers) sees the copy, and the original storage is released at once, so the model never
+    # exists twice (a whole second copy was the load's peak: twice the weights)
+    freed = 0
+    for ptr in list(tensors):
+        tensor = tensors.pop(ptr)
         view = arena[offsets[ptr] : offsets[ptr] + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
         view.copy_(tensor)
-        moved[ptr] = nn.Parameter(view, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else view
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is not None and tensor.data_ptr() in moved:
-                    table[name] = moved[tensor.data_ptr()]
-    tensors.clear()
-    return_freed_memory()  # the old copies were a few MiB each, inside malloc's heap
+        tensor.data = view
+        freed += tensor.nbytes
+        if freed >= TRIM_BYTES:  # originals under malloc's mmap threshold stay resident in its heap until trimmed
+            return_freed_memory()
+            freed = 0
+    return_freed_memory()
     return total

@@ -24,6 +24,7 @@ from torch import Tensor
 from inferlab.errors import ModelLoadError
 from inferlab.model.config import ModelConfig
 from inferlab.model.tokenizer import Tokenizer
+from inferlab.native_memory import return_freed_memory
 
 ROPE_FACTOR_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 # ours <- the file's, per layer, where the layer has them (the sandwich and q/k norms only in those families)
@@ -35,6 +36,7 @@ NORMS = {
     "attention.q_norm": "attn_q_norm",
     "attention.k_norm": "attn_k_norm",
 }
+TRIM_BYTES = 64 << 20  # loading hands freed temporaries back to the system every this many bytes of weights
 Source = tuple[str, int | None]  # a file tensor's name (without .weight) and the heads to un-permute it by, if any
 
 
@@ -194,20 +196,26 @@ def linear_sources(config: ModelConfig, arch: str, names: set[str], layer: int) 
 def load_gguf(
     path: Path,
     dtype: torch.dtype = torch.float32,
-    leave_q4_1: bool = False,
+    defer_linears: bool = False,
 ) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer, list[str]]:
     """(config, state in `dtype`, tokenizer, the Linears left as stand-ins). Each tensor is dequantized in row
-    chunks straight into `dtype`; with `leave_q4_1`, a Linear whose parts are all Q4_1 is not dequantized at all:
-    its weight is a stand-in without memory (shape, dtype, device only) that quant/ replaces with the blocks."""
-    from gguf import GGMLQuantizationType
-
+    chunks straight into `dtype`; with `defer_linears` (a model quant/ will quantize), no decoder Linear is read
+    here: its weight is a stand-in without memory (shape, dtype, device only), which quant/ replaces one layer at a
+    time, importing the file's blocks where it can (Q4_1) or reading the layer's floats (`linear_reader`) and
+    quantizing them, so the float model never exists whole."""
     reader = open_gguf(path)
     meta = reader.fields
     tensors = {t.name: t for t in reader.tensors}
+    made = 0
 
     def get(name: str, heads: int | None = None) -> Tensor:
+        nonlocal made
         w = dequantize(tensors[name], dtype)
         evict(reader, tensors[name])
+        made += w.nbytes
+        if made >= TRIM_BYTES:  # the conversion's temporaries stay resident in malloc's heap until trimmed
+            return_freed_memory()
+            made = 0
         return unpermute_qk(w, heads) if heads else w
 
     factors = {n: get(n + ".weight").float().tolist() for n in ROPE_FACTOR_TENSORS if n + ".weight" in tensors}
@@ -224,7 +232,7 @@ def load_gguf(
                 state[f"{ours}{dst}.weight"] = get(f"blk.{i}.{src}.weight")
         for dst, parts in linear_sources(config, arch, set(tensors), i).items():
             files = [tensors[n + ".weight"] for n, _ in parts]
-            if leave_q4_1 and all(t.tensor_type == GGMLQuantizationType.Q4_1 for t in files):
+            if defer_linears:
                 rows = sum(int(t.shape[1]) for t in files)  # GGUF shapes are (columns, rows)
                 state[f"{ours}{dst}.weight"] = torch.zeros((), dtype=dtype).expand(rows, int(files[0].shape[0]))
                 left.append(ours + dst)
@@ -234,6 +242,26 @@ def load_gguf(
                 state[f"{ours}{dst}.bias"] = torch.cat([get(n + ".bias") for n, _ in parts])
     evict(reader)
     return config, state, Tokenizer.from_gguf_fields(meta), left
+
+
+def linear_reader(path: Path, config: ModelConfig, dtype: torch.dtype) -> Callable[[str], Tensor]:
+    """A deferred Linear's weight (module names as in Transformer: "layers.3.attention.wqkv"), read from the file
+    in `dtype`, its parts fused and un-permuted as load_gguf would have."""
+    reader = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    arch = reader.fields["general.architecture"]
+
+    def read(name: str) -> Tensor:
+        layer, _, ours = name.removeprefix("layers.").partition(".")
+        parts = linear_sources(config, arch, set(tensors), int(layer))[ours]
+        weights = []
+        for part, heads in parts:
+            w = dequantize(tensors[part + ".weight"], dtype)
+            evict(reader, tensors[part + ".weight"])
+            weights.append(unpermute_qk(w, heads) if heads else w)
+        return torch.cat(weights) if len(weights) > 1 else weights[0]
+
+    return read
 
 
 BLOCK_WEIGHTS = 32  # weights per block of Q4_1 and of Q8_0

@@ -22,6 +22,7 @@ from inferlab.model.gguf_loader import load_gguf, read_gguf_fields
 from inferlab.model.safetensors_files import SafetensorsFiles
 from inferlab.model.tokenizer import Tokenizer
 from inferlab.model.transformer import Transformer
+from inferlab.paths import shape_file
 
 
 @dataclass
@@ -31,26 +32,26 @@ class LoadedModel:
     config: ModelConfig
     source: str  # where the weights came from, for logs and reports
     gguf_path: Path | None = None  # the GGUF file, when the weights came from one (int4 imports its blocks)
-    stand_ins: list[str] = field(default_factory=list)  # Linears whose weights quant/ has yet to import (leave_q4_1)
+    stand_ins: list[str] = field(default_factory=list)  # Linears whose weights quant/ has yet to read (defer_linears)
 
 
 def load_model(
     spec: dict[str, Any],
     dtype: torch.dtype,
     device: torch.device,
-    max_seq_len: int,
+    max_seq_len: int | None,
     seed: int = 0,
-    leave_q4_1: bool = False,
+    defer_linears: bool = False,
 ) -> LoadedModel:
-    """`spec` is the resolved `model` config group (conf/model/*.yaml). `leave_q4_1`: a GGUF's all-Q4_1 Linears
-    stay undequantized stand-ins (LoadedModel.stand_ins), for precision=int4 to import their blocks."""
-    path = Path(spec["path"]).expanduser() if spec.get("path") else None
+    """`spec` is the resolved `model` config group (conf/model/*.yaml). `defer_linears`: a GGUF's decoder Linears
+    stay unread stand-ins (LoadedModel.stand_ins), which quantize_model reads one layer at a time."""
+    path = model_file(spec)
     if path is not None and path.is_dir():
         return _finish(*load_hf_dir(path, dtype), f"hf:{path}", None, dtype, device, max_seq_len)
     if path is None and spec["source"] == "gguf_package":
         path = locate_package_file(spec["package"], spec["file"], spec.get("install", ""))
     if path is not None:
-        config, state, tokenizer, stand_ins = load_gguf(path, dtype, leave_q4_1)
+        config, state, tokenizer, stand_ins = load_gguf(path, dtype, defer_linears)
         source = f"gguf:{path if spec.get('path') else path.name}"
         loaded = _finish(config, state, tokenizer, source, path, dtype, device, max_seq_len)
         loaded.stand_ins = stand_ins
@@ -75,6 +76,21 @@ def load_model(
     raise ModelLoadError(f"model {spec.get('name')!r} has no weights: set model.path=DIR (HF checkpoint) or FILE.gguf")
 
 
+def model_file(spec: dict[str, Any]) -> Path | None:
+    """The file or directory `spec`'s weights come from: model.path, else a shape preset's GGUF in
+    model.file_format (made by bench/model_files.py), else None (the package's file, or random init)."""
+    if spec.get("path"):
+        return Path(spec["path"]).expanduser()
+    if spec.get("file_format"):
+        path = shape_file(spec["name"], spec["file_format"])
+        if not path.is_file():
+            raise ModelLoadError(
+                f"{path} not found: make it with `make model-files MODEL={spec['name']} FORMATS={spec['file_format']}`"
+            )
+        return path
+    return None
+
+
 def locate_package_file(package: str, file: str, install_hint: str) -> Path:
     """Find a data file shipped in a pip package without importing the package."""
     found = importlib.util.find_spec(package)
@@ -93,9 +109,10 @@ def _finish(
     gguf_path: Path | None,
     dtype: torch.dtype,
     device: torch.device,
-    max_seq_len: int,
+    max_seq_len: int | None,
 ) -> LoadedModel:
-    config.max_seq_len = min(config.max_seq_len, max_seq_len)
+    """`max_seq_len`: the longest sequence served, None for the model's own context."""
+    config.max_seq_len = min(config.max_seq_len, max_seq_len or config.max_seq_len)
     with torch.device("meta"):
         model = Transformer(config)
     if config.tie_embeddings:

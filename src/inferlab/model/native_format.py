@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from inferlab.model.loader import locate_package_file, read_gguf_fields
+from inferlab.model.loader import locate_package_file, model_file, read_gguf_fields
 
 GGUF_FILE_TYPES = {0: "fp32", 1: "bf16", 2: "int4", 3: "int4", 7: "int8", 32: "bf16"}  # F32 F16 Q4_0 Q4_1 Q8_0 BF16
 GGUF_FILE_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 32: "BF16"}
@@ -22,9 +22,8 @@ FALLBACK = "fp32"
 
 def native_precision(model: dict[str, Any]) -> tuple[str, str]:
     """(precision option, why) for a resolved `model` config group."""
-    path = model.get("path")
-    if path:
-        path = Path(path).expanduser()
+    path = model_file(model)
+    if path is not None:
         if path.is_dir():
             return hf_precision(path)
         return gguf_precision(path)

@@ -301,6 +301,14 @@ class Transformer(nn.Module):
             self.register_buffer(f"{name}_cos", cos.to(weight.dtype), persistent=False)
             self.register_buffer(f"{name}_sin", sin.to(weight.dtype), persistent=False)
 
+    def limit_context(self, max_seq_len: int) -> None:
+        """Serve sequences of at most `max_seq_len` tokens (what the KV memory holds, when less than the model's
+        context): the rotary tables keep only those positions."""
+        self.config.max_seq_len = max_seq_len
+        for name, table in list(self.named_buffers(recurse=False)):
+            if name.startswith("rope"):
+                self.register_buffer(name, table[:max_seq_len].clone(), persistent=False)
+
     def forward(
         self,
         tokens: Tensor,

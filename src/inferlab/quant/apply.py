@@ -16,6 +16,7 @@ from torch import nn
 from inferlab.errors import QuantizationError
 from inferlab.kernels.aten import int8_kernel_fits
 from inferlab.kernels.build import cpu_gemv_available
+from inferlab.model.gguf_loader import linear_reader
 from inferlab.native_memory import return_freed_memory
 from inferlab.quant.gguf_q4 import Q4_1_GROUP, read_q4_1_linears
 from inferlab.quant.int4 import Int4GroupLinear, check_group_size
@@ -80,9 +81,15 @@ def _kernel(module: nn.Module) -> str:
 
 
 def quantize_model(
-    model: nn.Module, mode: str, group_size: int | None = None, gguf_path: Path | None = None, use_kernel: bool = True
+    model: nn.Module,
+    mode: str,
+    group_size: int | None = None,
+    gguf_path: Path | None = None,
+    stand_ins: list[str] | None = None,
+    use_kernel: bool = True,
 ) -> QuantReport:
-    """Quantize in place; with `gguf_path`, int4 at group size 32 imports the file's Q4_1 blocks losslessly.
+    """Quantize in place; with `gguf_path`, int4 at group size 32 imports the file's Q4_1 blocks losslessly, and
+    the `stand_ins` the loader left unread (gguf_loader.load_gguf's defer_linears) are read from it one at a time.
 
     `group_size` applies to int4 only (None -> 64). Checks every layer before changing any, so a refused
     model is left as it was.
@@ -109,6 +116,10 @@ def quantize_model(
     imported = (
         read_q4_1_linears(gguf_path, model.config) if gguf_path and mode == "int4" and group_size == Q4_1_GROUP else {}
     )
+    deferred = set(stand_ins or ()) - set(imported)
+    if deferred and gguf_path is None:
+        raise QuantizationError(f"{sorted(deferred)[0]}: a stand-in weight without its GGUF file to read it from")
+    read = linear_reader(gguf_path, model.config, model.tok_embeddings.weight.dtype) if deferred and gguf_path else None
 
     report = QuantReport(mode, group_size, bytes_before=weight_bytes(model))
     # each float layer goes as soon as its quantized one is in (popped, not kept to the end), its memory handed back
@@ -116,6 +127,8 @@ def quantize_model(
     # and the head first: a tied embedding's float matrix (49152 x 576) never coexists with the quantized decoder
     for name in sorted(linears, key=lambda n: n != HEAD):
         linear = linears.pop(name)
+        if read is not None and name in deferred:  # this layer's floats, read now and gone once it is quantized
+            linear.weight = nn.Parameter(read(name), requires_grad=False)
         if name == HEAD or mode == "int8":
             new: nn.Module = Int8Linear(linear, use_kernel=use_kernel)
         else:

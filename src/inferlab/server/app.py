@@ -6,6 +6,7 @@ thread) owns the model and the KV memory.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,20 @@ TOKENIZE_ERRORS = (400, 401, 413, 422, 429, 503)
 PLAYGROUND = Path(__file__).with_name("static") / "playground.html"
 
 
+log = logging.getLogger(__name__)
+
+
 def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: str) -> FastAPI:
     app = FastAPI(
         title="inferlab", summary="LLM inference server: SSE streaming and OpenAI-compatible routes", version="0.1.0"
     )
+    settings = settings.for_context(engine.config.max_seq_len)
+    if settings.limits == "context":
+        log.info(
+            "server.limits=context: prompts up to %d characters, max_tokens up to %d",
+            settings.max_prompt_chars,
+            settings.max_new_tokens_cap,
+        )
     guards = Guards(settings)
     metrics = ServerMetrics(settings.metrics_window, engine.stats)
     dispatcher = Dispatcher(engine, settings)
