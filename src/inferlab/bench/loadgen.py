@@ -82,6 +82,7 @@ class HTTPTarget:
     temperature: float = 0.0
     api_key: str | None = None
     timeout_s: float = 300.0
+    ignore_eos: bool = False  # every request runs to max_tokens (vLLM's and llama-server's field, and inferlab's)
     client: httpx.AsyncClient = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +99,7 @@ class HTTPTarget:
             "stream": True,
             "stream_options": {"include_usage": True},
             **({"model": self.model} if self.model else {}),
+            **({"ignore_eos": True} if self.ignore_eos else {}),
         }
         if self.api == "chat":
             messages = prompt.messages or [{"role": "user", "content": prompt.text}]

@@ -1,8 +1,8 @@
 """How the serving studies launch each server on the same weights: inferlab-serve, llama.cpp's servers, vLLM's.
 
 Each `ServerSpec` is a command line, its environment, the path that says it is ready, and what to put in
-a request's `model` field. llama.cpp serves the GGUF file itself, through llama-cpp-python's server or its own
-llama-server (built by `make llama-server`: `llama_cpp_tool` finds it); vLLM needs an HF checkpoint, written
+a request's `model` field. llama.cpp serves the GGUF file itself through its own llama-server (built by
+`make llama-server`: `llama_cpp_tool` finds it); vLLM needs an HF checkpoint, written
 once from the GGUF (`hf_checkpoint`) with transformers' own GGUF reader.
 """
 
@@ -63,40 +63,6 @@ def inferlab_server(model: str, overrides: list[str]) -> ServerSpec:
     ]
     name = " ".join(["inferlab", *overrides])
     return ServerSpec(name, argv, " ".join(overrides) or "defaults (precision=auto)", profiled=True)
-
-
-def llama_cpp_server(gguf: Path, threads: int, n_ctx: int) -> ServerSpec:
-    """llama-cpp-python's OpenAI-compatible server on the GGUF file itself.
-
-    It runs one request at a time (no batching of sequences): the others wait their turn. Its default
-    `interrupt_requests` ends a streaming request early whenever another one waits, so a concurrent load
-    would measure cut-short answers (a few tokens each); off, every request runs to its end, as on the
-    other servers.
-    """
-    llama_cpp = require("llama_cpp", "the llama.cpp peer (pip install -e .[peers])")
-    require("llama_cpp.server.app", "llama-cpp-python's server (pip install -e .[peers])")
-    argv = [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(gguf),
-        "--host",
-        "{host}",
-        "--port",
-        "{port}",
-        "--n_threads",
-        str(threads),
-        "--n_threads_batch",
-        str(threads),
-        "--n_ctx",
-        str(n_ctx),
-        "--interrupt_requests",
-        "false",
-    ]
-    return ServerSpec(
-        "llama.cpp", argv, f"{gguf.name} (llama-cpp-python {llama_cpp.__version__})", health_path="/v1/models"
-    )
 
 
 def llama_server(binary: Path, gguf: Path, threads: int, slots: int, slot_ctx: int) -> ServerSpec:

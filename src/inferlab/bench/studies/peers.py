@@ -15,8 +15,10 @@ is the other's seconds over ours (above 1: ours is faster), a ratio the machine'
 
 from __future__ import annotations
 
-import ctypes
+import json
+import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from inferlab.api import engine_from_config, precision_config
+from inferlab.bench.peer_servers import llama_cpp_tool, llama_cpp_version
 from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.bench.studies.common import (
@@ -40,25 +43,22 @@ from inferlab.bench.studies.common import (
 from inferlab.engine.engine import InferenceEngine
 from inferlab.kernels.build import use_isa
 from inferlab.kernels.isa import supported_isas
-from inferlab.paths import cache_dir
+from inferlab.model.gguf_loader import read_gguf_fields
+from inferlab.model.native_format import GGUF_FILE_TYPE_NAMES
 from inferlab.quant.apply import weight_bytes
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LLAMA_CPP_FTYPES = {
-    "fp32": "LLAMA_FTYPE_ALL_F32",
-    "bf16": "LLAMA_FTYPE_MOSTLY_BF16",
-    "fp16": "LLAMA_FTYPE_MOSTLY_F16",
-    "int8": "LLAMA_FTYPE_MOSTLY_Q8_0",
-}  # int4 runs the shipped Q4_1 file itself
+LLAMA_CPP_FORMATS = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "Q8_0": "int8", "Q4_1": "int4"}
 LLAMA_CPP_ISA_FEATURES = {"avx2": {"AVX2", "FMA"}, "avx512": {"AVX2", "FMA", "AVX512", "AVX512_VNNI", "AVX512_BF16"}}
 
 
 Prefill = Callable[[list[int]], float]  # prompt ids -> seconds of the forward over them
+Decode = Callable[[list[int], int], float]  # prompt ids, new tokens -> decode tokens/s after that prompt
 
 
 @dataclass
 class Peer:
-    generate: Runner
+    decode: Decode
     prefill: Prefill
     weight_bytes: int
     note: str
@@ -78,11 +78,11 @@ def run(cfg: DictConfig) -> Rows:
     # (engine, isa) -> a maker of its Peer; inferlab once per kernel build
     makers: dict[tuple[str, str | None], Callable[[], Peer]] = {
         ("transformers", None): lambda: transformers_peer(gguf, cfg.precision, engine.config.device),
-        ("llama.cpp", None): lambda: llama_cpp_peer(gguf, cfg.precision.name),
+        ("llama.cpp", None): lambda: llama_bench_peer(gguf, cfg.precision.name, cfg.study.get("llama_cpp_bin")),
     }
     for isa, isa_engine in inferlab_engines(cfg, engine).items():
         makers["inferlab", isa] = lambda e=isa_engine, isa=isa: Peer(
-            inferlab_runner(e, isa),
+            rate_of(inferlab_runner(e, isa)),
             inferlab_prefill(e, isa),
             weight_bytes(e.model),
             e.loaded.source,
@@ -115,7 +115,7 @@ def run(cfg: DictConfig) -> Rows:
         }
         rates: Rates = {}
         for key, peer in peers.items():
-            rates[key] = {"decode_tok_s": decode_rate(peer.generate(ids, int(m.new_tokens)))}
+            rates[key] = {"decode_tok_s": peer.decode(ids, int(m.new_tokens))}
             rates[key] |= prefill_rates(peer, prompts, index)
         return bandwidth, rates
 
@@ -250,56 +250,56 @@ def transformers_peer(gguf: Path, precision: DictConfig, device: torch.device) -
 
     nbytes = sum(p.nbytes for p in {p.data_ptr(): p for p in model.parameters()}.values())
     isa = f"torch {torch.backends.cpu.get_cpu_capability().lower()}" if device.type == "cpu" else device.type
-    return Peer(generate, prefill, nbytes, f"transformers {transformers.__version__} generate", isa)
+    return Peer(rate_of(generate), prefill, nbytes, f"transformers {transformers.__version__} generate", isa)
 
 
-def llama_cpp_peer(gguf: Path, precision: str) -> Peer:
-    llama_cpp = require("llama_cpp", "the llama.cpp peer (pip install -e .[peers])")
-    if precision != "int4" and precision not in LLAMA_CPP_FTYPES:
-        raise StudyUnavailable(f"llama.cpp has no {precision} counterpart")
-    path = gguf if precision == "int4" else requantized(llama_cpp, gguf, precision)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_threads=torch.get_num_threads(), verbose=False)
+def rate_of(generate: Runner) -> Decode:
+    """A runner's token arrival times as its decode rate."""
+    return lambda ids, n: decode_rate(generate(ids, n))
 
-    def generate(ids: list[int], n: int) -> list[float]:
-        llm.reset()
-        times = []
-        for _ in llm.generate(ids, temp=0.0, reset=True):
-            times.append(time.perf_counter())
-            if len(times) == n:
-                break
-        return times
+
+def llama_bench_peer(gguf: Path, precision: str, bin_dir: str | None) -> Peer:
+    """llama.cpp's own llama-bench on the same file (built by `make llama-server`), one run per call: decode of
+    `n` tokens after a context as deep as the prompt (-d), and a prompt of the same length (-p); its prompts are its
+    own random tokens (a forward's cost does not depend on which). It runs the job's file as stored, so it has a
+    counterpart only where the job serves that format (precision=auto, or the format's own precision)."""
+    if precision not in (*LLAMA_CPP_FORMATS.values(), "auto") or LLAMA_CPP_FORMATS.get(file_format(gguf)) != precision:
+        raise StudyUnavailable(f"llama.cpp runs {gguf.name} as stored ({file_format(gguf)}), not as {precision}")
+    binary = llama_cpp_tool("llama-bench", bin_dir)
+    threads = str(torch.get_num_threads())
+
+    def bench(*args: str) -> float:
+        out = subprocess.run(
+            [str(binary), "-m", str(gguf), "-t", threads, "-r", "1", "-o", "json", *args],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        if out.returncode != 0:
+            raise StudyUnavailable(f"llama-bench failed: {out.stderr.strip().splitlines()[-1:]}")
+        return float(json.loads(out.stdout)[0]["avg_ts"])
+
+    def decode(ids: list[int], n: int) -> float:
+        return bench("-p", "0", "-n", str(n), "-d", str(len(ids)))
 
     def prefill(ids: list[int]) -> float:
-        llm.reset()
-        start = time.perf_counter()
-        llm.eval(ids)
-        return time.perf_counter() - start
+        return len(ids) / bench("-p", str(len(ids)), "-n", "0")
 
-    return Peer(
-        generate,
-        prefill,
-        path.stat().st_size,
-        f"llama-cpp-python {llama_cpp.__version__} on {path.name}",
-        llama_cpp_isa(llama_cpp),
-    )
+    version = llama_cpp_version(binary)
+    return Peer(decode, prefill, gguf.stat().st_size, f"llama-bench {version} on {gguf.name}", llama_cpp_isa(binary))
 
 
-def llama_cpp_isa(llama_cpp) -> str:
-    """The widest of inferlab's instruction sets whose features llama.cpp's CPU backend reports using."""
-    info = llama_cpp.llama_print_system_info().decode()
-    used = {part.split("=")[0].strip() for part in info.split("|") if part.strip().endswith("= 1")}
+def file_format(gguf: Path) -> str:
+    """The GGUF's file type as llama.cpp names it (Q4_1, Q8_0, BF16, ...)."""
+    file_type = read_gguf_fields(gguf).get("general.file_type")
+    return GGUF_FILE_TYPE_NAMES.get(file_type, str(file_type))
+
+
+def llama_cpp_isa(binary: Path) -> str:
+    """The widest of inferlab's instruction sets whose features llama.cpp's CPU backend was built with (its
+    build's CMakeCache.txt: `make llama-server` builds for those /proc/cpuinfo lists)."""
+    cache = binary.parent.parent / "CMakeCache.txt"
+    text = cache.read_text() if cache.is_file() else ""
+    used = set(re.findall(r"^GGML_(\w+):BOOL=ON$", text, flags=re.MULTILINE))
     names = [name for name, features in LLAMA_CPP_ISA_FEATURES.items() if features <= used]
-    return names[-1] if names else "other"
-
-
-def requantized(llama_cpp, gguf: Path, precision: str) -> Path:
-    """A copy of `gguf` at `precision`, made once with llama.cpp's own quantizer, in the cache dir."""
-    out = cache_dir() / "peers" / f"{gguf.stem}.{precision}.gguf"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = getattr(llama_cpp, LLAMA_CPP_FTYPES[precision])
-        params.allow_requantize = True
-        if llama_cpp.llama_model_quantize(str(gguf).encode(), str(out).encode(), ctypes.byref(params)) != 0:
-            raise StudyUnavailable(f"llama.cpp could not requantize {gguf.name} to {precision}")
-    return out
+    return names[-1] if names else "unknown"

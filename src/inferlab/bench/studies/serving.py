@@ -35,12 +35,13 @@ from tqdm.auto import tqdm
 
 from inferlab.bench.engine_profile import PROFILE_COLUMNS, SPEC_COLUMNS, scrape, step_profile
 from inferlab.bench.loadgen import HTTPTarget, LoadSpec, measure
-from inferlab.bench.peer_servers import ServerSpec, inferlab_server, llama_cpp_server, vllm_server
+from inferlab.bench.peer_servers import ServerSpec, inferlab_server, llama_cpp_tool, llama_server, vllm_server
 from inferlab.bench.prompts import Prompt, load_tokenizer, make_prompts
 from inferlab.bench.studies import Rows, StudyUnavailable, register
-from inferlab.model.loader import locate_package_file
+from inferlab.model.loader import locate_package_file, model_file
 from inferlab.model.tokenizer import Tokenizer
 
+SLOT_MARGIN = 64  # llama-server's context a slot holds beyond the load's prompt and output tokens (template, BOS)
 METRICS = (
     "output_throughput",
     "median_ttft_ms",
@@ -65,7 +66,13 @@ def run(cfg: DictConfig) -> Rows:
     warmup_prompts, prompts = load_plan(tokenizer, load, levels, rounds, max(1, int(cfg.measure.warmup)), cfg.seed or 0)
     log_dir = Path(HydraConfig.get().runtime.output_dir)
     samples = serve_rounds(
-        specs, warmup_prompts, prompts, int(load["output_tokens"]), float(study.startup_timeout_s), log_dir
+        specs,
+        warmup_prompts,
+        prompts,
+        int(load["output_tokens"]),
+        float(study.startup_timeout_s),
+        log_dir,
+        bool(load.get("ignore_eos", False)),
     )
     pairs = paired_variants(study.inferlab_variants, study.get("paired_with"))
     for spec in specs:
@@ -111,6 +118,7 @@ def serve_rounds(
     output_tokens: int,
     startup_timeout_s: float,
     log_dir: Path,
+    ignore_eos: bool = False,
 ) -> Samples:
     """Start every server, warm each up with one load of `warmup_prompts`, then in each round of `prompts` drive
     each server in turn at each level with that level's prompts (the listed order in even rounds, the reverse in odd
@@ -129,7 +137,7 @@ def serve_rounds(
             server = servers[spec.name]
             server.resume()
             try:
-                target = HTTPTarget(server.url, "completions", spec.model, output_tokens, 0.0)
+                target = HTTPTarget(server.url, "completions", spec.model, output_tokens, 0.0, ignore_eos=ignore_eos)
                 before, start = scrape(server.url) if spec.profiled else {}, time.perf_counter()
                 metrics = measure(target, prompts, LoadSpec(concurrency))
                 if spec.profiled:
@@ -179,7 +187,15 @@ def server_specs(cfg: DictConfig, model_name: str, gguf: Path | None) -> tuple[l
     study, threads = cfg.study, torch.get_num_threads()
     makers = {
         "inferlab": lambda: [inferlab_server(model_name, list(overrides)) for overrides in study.inferlab_variants],
-        "llama.cpp": lambda: [llama_cpp_server(needs_gguf(gguf, "llama.cpp"), threads, int(study.max_model_len))],
+        "llama.cpp": lambda: [
+            llama_server(
+                llama_cpp_tool("llama-server", study.get("llama_cpp_bin")),
+                needs_gguf(gguf, "llama.cpp"),
+                threads,
+                max(int(c) for c in study.levels),  # a slot per concurrent request: all of them decode together
+                int(cfg.load.prompt_tokens) + int(cfg.load.output_tokens) + SLOT_MARGIN,
+            )
+        ],
         "vllm": lambda: [
             vllm_server(
                 needs_vllm_python(study.vllm_python),
@@ -213,9 +229,8 @@ def needs_vllm_python(python: str | None) -> str:
 
 def gguf_file(model: dict[str, Any]) -> Path | None:
     """The GGUF file a `model` config group loads its weights from, if any."""
-    path = model.get("path")
-    if path:
-        path = Path(path).expanduser()
+    path = model_file(model)
+    if path is not None:
         return path if path.suffix == ".gguf" else None
     if model.get("source") == "gguf_package":
         return locate_package_file(model["package"], model["file"], model.get("install", ""))
