@@ -20,6 +20,7 @@ from inferlab.engine.scheduler import SchedulerConfig
 from inferlab.engine.spec.build import build_speculation
 from inferlab.errors import InvalidRequestError, ModelLoadError
 from inferlab.kernels.select import choose_isa, select_kernels
+from inferlab.model.gguf_blocks import BLOCK_LAYOUTS
 from inferlab.model.gguf_loader import release_gguf
 from inferlab.model.loader import load_model
 from inferlab.model.native_format import native_precision
@@ -144,9 +145,9 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
     kv_dtype = kv_dtype_of(cfg.cache)
     int8_activations = int8_activations_of(cfg.precision)
     choose_isa(device, cfg.device.kernels, cfg.device.isa)
-    # int4 at Q4_1's group size imports a GGUF's blocks as they are: those Linears are never dequantized
-    leave_q4_1 = cfg.precision.quant == "int4" and cfg.precision.get("group_size") == Q4_1_GROUP
-    loaded = load_model(model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0, leave_q4_1=leave_q4_1)
+    loaded = load_model(
+        model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0, leave=imported_blocks(cfg.precision)
+    )
     if cfg.precision.quant:
         quantize_model(loaded.model, cfg.precision.quant, cfg.precision.get("group_size"), loaded.gguf_path)
     # the drafts before the kernels: a self draft is built from the target's own layers, and kernels and
@@ -199,6 +200,14 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
     if speculation is not None:  # adaptive K counts a draft step in target steps as timed here, not as bytes
         speculation.drafter.measure_cost(loaded.model, engine.fused, speculation.k + 1)
     return engine
+
+
+def imported_blocks(precision: DictConfig) -> tuple[str, ...]:
+    """The GGUF block types a precision imports as they are, which the loader therefore never dequantizes: int4 at
+    Q4_1's group size its Q4_1 blocks, gguf every block format the kernels read."""
+    if precision.quant == "int4" and precision.get("group_size") == Q4_1_GROUP:
+        return ("Q4_1",)
+    return tuple(BLOCK_LAYOUTS) if precision.quant == "gguf" else ()
 
 
 def kv_dtype_of(cache: DictConfig) -> torch.dtype | None:

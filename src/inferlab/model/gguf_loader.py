@@ -3,7 +3,8 @@
 llama.cpp's converter renames HF tensors (`blk.N.attn_q.weight`), fuses some (Phi-3's attn_qkv,
 its gate+up as ffn_up), interleaves the RoPE halves of q/k rows for the llama architecture, and
 stores Gemma's (1 + w) norms as 1 + w. `linear_sources` says, per decoder Linear, which file
-tensors make it, so the float loader here and the Q4_1 import (quant/gguf_q4.py) read one truth.
+tensors make it, so the float loader here and the block imports (quant/gguf_q4.py, quant/gguf_linear.py) read one
+truth.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import functools
 import math
 import mmap
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from inferlab.errors import ModelLoadError
 from inferlab.model.config import ModelConfig
+from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, dequantize_blocks
 from inferlab.model.tokenizer import Tokenizer
 
 ROPE_FACTOR_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
@@ -194,13 +196,12 @@ def linear_sources(config: ModelConfig, arch: str, names: set[str], layer: int) 
 def load_gguf(
     path: Path,
     dtype: torch.dtype = torch.float32,
-    leave_q4_1: bool = False,
+    leave: Collection[str] = (),
 ) -> tuple[ModelConfig, dict[str, Tensor], Tokenizer, list[str]]:
     """(config, state in `dtype`, tokenizer, the Linears left as stand-ins). Each tensor is dequantized in row
-    chunks straight into `dtype`; with `leave_q4_1`, a Linear whose parts are all Q4_1 is not dequantized at all:
-    its weight is a stand-in without memory (shape, dtype, device only) that quant/ replaces with the blocks."""
-    from gguf import GGMLQuantizationType
-
+    chunks straight into `dtype`; a Linear whose parts are all of the GGUF types in `leave` (names: "Q4_1", "Q4_K",
+    ...) is not dequantized at all: its weight is a stand-in without memory (shape, dtype, device only) that quant/
+    replaces with the blocks."""
     reader = open_gguf(path)
     meta = reader.fields
     tensors = {t.name: t for t in reader.tensors}
@@ -224,7 +225,7 @@ def load_gguf(
                 state[f"{ours}{dst}.weight"] = get(f"blk.{i}.{src}.weight")
         for dst, parts in linear_sources(config, arch, set(tensors), i).items():
             files = [tensors[n + ".weight"] for n, _ in parts]
-            if leave_q4_1 and all(t.tensor_type == GGMLQuantizationType.Q4_1 for t in files):
+            if all(t.tensor_type.name in leave for t in files):
                 rows = sum(int(t.shape[1]) for t in files)  # GGUF shapes are (columns, rows)
                 state[f"{ours}{dst}.weight"] = torch.zeros((), dtype=dtype).expand(rows, int(files[0].shape[0]))
                 left.append(ours + dst)
@@ -288,6 +289,8 @@ def dequantize(tensor, dtype: torch.dtype, chunk_elements: int = 1 << 22) -> Ten
     def rows(part) -> Tensor:
         if kind in BLOCK_READERS and part.ndim == 2:
             return block_values(part, kind)
+        if kind in BLOCK_LAYOUTS and part.ndim == 2:
+            return dequantize_blocks(torch.from_numpy(np.array(part, dtype=np.uint8)), kind)
         try:
             values = quants.dequantize(part, tensor.tensor_type)
         except NotImplementedError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ class LoadedModel:
     config: ModelConfig
     source: str  # where the weights came from, for logs and reports
     gguf_path: Path | None = None  # the GGUF file, when the weights came from one (int4 imports its blocks)
-    stand_ins: list[str] = field(default_factory=list)  # Linears whose weights quant/ has yet to import (leave_q4_1)
+    stand_ins: list[str] = field(default_factory=list)  # Linears whose weights quant/ has yet to import (leave)
 
 
 def load_model(
@@ -40,17 +41,18 @@ def load_model(
     device: torch.device,
     max_seq_len: int,
     seed: int = 0,
-    leave_q4_1: bool = False,
+    leave: Collection[str] = (),
 ) -> LoadedModel:
-    """`spec` is the resolved `model` config group (conf/model/*.yaml). `leave_q4_1`: a GGUF's all-Q4_1 Linears
-    stay undequantized stand-ins (LoadedModel.stand_ins), for precision=int4 to import their blocks."""
+    """`spec` is the resolved `model` config group (conf/model/*.yaml). `leave`: a GGUF's Linears whose parts are all
+    of these block types ("Q4_1", "Q4_K", ...) stay undequantized stand-ins (LoadedModel.stand_ins), for quant/ to
+    import their blocks (precision=int4: Q4_1; precision=gguf: every type the kernels read)."""
     path = Path(spec["path"]).expanduser() if spec.get("path") else None
     if path is not None and path.is_dir():
         return _finish(*load_hf_dir(path, dtype), f"hf:{path}", None, dtype, device, max_seq_len)
     if path is None and spec["source"] == "gguf_package":
         path = locate_package_file(spec["package"], spec["file"], spec.get("install", ""))
     if path is not None:
-        config, state, tokenizer, stand_ins = load_gguf(path, dtype, leave_q4_1)
+        config, state, tokenizer, stand_ins = load_gguf(path, dtype, leave)
         source = f"gguf:{path if spec.get('path') else path.name}"
         loaded = _finish(config, state, tokenizer, source, path, dtype, device, max_seq_len)
         loaded.stand_ins = stand_ins

@@ -49,7 +49,8 @@ LLAMA_CPP_FTYPES = {
     "bf16": "LLAMA_FTYPE_MOSTLY_BF16",
     "fp16": "LLAMA_FTYPE_MOSTLY_F16",
     "int8": "LLAMA_FTYPE_MOSTLY_Q8_0",
-}  # int4 runs the shipped Q4_1 file itself
+}
+AS_STORED = ("int4", "gguf")  # precisions that run the job's GGUF blocks as they are: llama.cpp runs that file itself
 LLAMA_CPP_ISA_FEATURES = {"avx2": {"AVX2", "FMA"}, "avx512": {"AVX2", "FMA", "AVX512", "AVX512_VNNI", "AVX512_BF16"}}
 
 
@@ -255,9 +256,9 @@ def transformers_peer(gguf: Path, precision: DictConfig, device: torch.device) -
 
 def llama_cpp_peer(gguf: Path, precision: str) -> Peer:
     llama_cpp = require("llama_cpp", "the llama.cpp peer (pip install -e .[peers])")
-    if precision != "int4" and precision not in LLAMA_CPP_FTYPES:
+    if precision not in AS_STORED and precision not in LLAMA_CPP_FTYPES:
         raise StudyUnavailable(f"llama.cpp has no {precision} counterpart")
-    path = gguf if precision == "int4" else requantized(llama_cpp, gguf, precision)
+    path = gguf if precision in AS_STORED else requantized(llama_cpp, gguf, precision)
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_threads=torch.get_num_threads(), verbose=False)
 
     def generate(ids: list[int], n: int) -> list[float]:

@@ -148,6 +148,16 @@ struct Lanes<8> {
   static I and_int(I a, I b) { return _mm256_and_si256(a, b); }
   static I shift_right(I a, int bits) { return _mm256_srli_epi32(a, bits); }
   static I shift_right_signed(I a, int bits) { return _mm256_srai_epi32(a, bits); }
+  // GGUF blocks (ggml_blocks.h): N bytes widened to N int32 lanes (unsigned, signed); shifts by a count known at run
+  // time, the same for every lane or one per lane
+  static I widen_uint8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I widen_int8(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I shift_right_by(I a, int bits) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(bits)); }
+  static I shift_left_by(I a, int bits) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(bits)); }
+  static I shift_right_lanes(I a, I bits) { return _mm256_srlv_epi32(a, bits); }
+  static I or_int(I a, I b) { return _mm256_or_si256(a, b); }
+  static I sub_int(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
   static I sum_quads(const I* a) {  // lane 4 p + j: the sum of a[j]'s 4 lanes in its 128-bit lane p (j < 4)
     const I t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[0], a[1]), _mm256_unpackhi_epi32(a[0], a[1]));
     const I t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2], a[3]), _mm256_unpackhi_epi32(a[2], a[3]));
@@ -250,6 +260,14 @@ struct Lanes<16> {
   static I and_int(I a, I b) { return _mm512_and_si512(a, b); }
   static I shift_right(I a, int bits) { return _mm512_srli_epi32(a, bits); }
   static I shift_right_signed(I a, int bits) { return _mm512_srai_epi32(a, bits); }
+  static I widen_uint8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I widen_int8(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I shift_right_by(I a, int bits) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(bits)); }
+  static I shift_left_by(I a, int bits) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(bits)); }
+  static I shift_right_lanes(I a, I bits) { return _mm512_srlv_epi32(a, bits); }
+  static I or_int(I a, I b) { return _mm512_or_si512(a, b); }
+  static I sub_int(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
   static I sum_quads(const I* a) {
     const I t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
     const I t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
