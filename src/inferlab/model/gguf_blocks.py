@@ -41,7 +41,7 @@ def _nibbles(qs: Tensor) -> Tensor:
 def _fifth_bits(qh: Tensor) -> Tensor:
     """(n, 4) bytes, a little-endian 32-bit word -> bit i of it at column i (n, 32), times 16."""
     word = qh.contiguous().view(torch.int32)  # (n, 1)
-    return ((word >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8) << 4
+    return ((word >> torch.arange(32, dtype=torch.int32, device=qh.device)) & 1).to(torch.uint8) << 4
 
 
 def _k_scales(b: Tensor) -> tuple[Tensor, Tensor]:
@@ -89,7 +89,9 @@ def _q4_k(b: Tensor) -> Tensor:
 
 def _q5_k(b: Tensor) -> Tensor:
     qh = b[:, 16:48].reshape(-1, 1, 32)
-    fifth = (qh >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1  # (n, 8, 32): bit j for sub-block j
+    fifth = (
+        qh >> torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
+    ) & 1  # (n, 8, 32): bit j for sub-block j
     return _k_quant(b, _low_high(b[:, 48:176]) | (fifth << 4))
 
 
@@ -98,7 +100,7 @@ def _q6_k(b: Tensor) -> Tensor:
     ql = b[:, :128].reshape(n, 2, 1, 64)
     low = torch.cat((ql & 0x0F, ql >> 4), dim=2).reshape(n, 8, 32)  # half, nibble, 64 bytes -> 32-weight runs
     qh = b[:, 128:192].reshape(n, 2, 1, 32)
-    pairs = torch.arange(0, 8, 2, dtype=torch.uint8).reshape(1, 1, 4, 1)
+    pairs = torch.arange(0, 8, 2, dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
     high = ((qh >> pairs) & 3).reshape(n, 8, 32)
     q = ((low | (high << 4)).to(torch.int16) - 32).reshape(n, 16, 16).float()
     step = _half(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()  # (n, 16)

@@ -73,7 +73,7 @@ def module_bytes(module: nn.Module) -> int:
 def _kernel(module: nn.Module) -> str:
     """The kernel a decode step runs: gemv (kernels/csrc), int8pack, aten's int4pack "cpu" / "cuda", or "rows"
     (the dequantize-then-linear reference)."""
-    device = module.weight.device
+    device = next(module.buffers()).device
     if module.kernel_weights() is not None and device.type == "cpu" and cpu_gemv_available():
         return "gemv"
     if isinstance(module, Int4GroupLinear):
