@@ -1,8 +1,10 @@
 """GGUF's block formats as the file stores them (K-quants Q4_K, Q5_K, Q6_K; Q4_0, Q5_0, Q5_1, Q8_0): our torch
 dequantizers give gguf's own `dequantize` values to the bit; the CPU kernels' products on random blocks equal the
-dequantized reference within float rounding on every kernel build this CPU runs, whatever rows come with a row; our
+dequantized reference within the rounding of their int16 activation codes (half a code step per activation) and float
+rounding, on every kernel build this CPU runs, whatever rows come with a row; our
 K-quant quantizer writes blocks gguf reads back; a fused projection whose parts keep different formats, and a model
-whose file mixes them (precision=auto -> gguf), decode through the fused C++ step to the portable path's logits."""
+whose file mixes them (precision=auto -> gguf), decode through the fused C++ step to the portable path's greedy
+tokens."""
 
 import gguf
 import numpy as np
@@ -75,9 +77,13 @@ def test_kernel_products_equal_the_dequantized_reference(isa, kind, one_thread):
     single = gemv(x[:1], blocks)
     for m in (1, 3, 8, 40):  # a decode step, a batch, a prompt chunk (the tiled path)
         y = gemv(x[:m], blocks)
-        exact = x[:m].double() @ w.T
-        scale = x[:m].double().abs() @ w.abs().T  # float rounding is relative to the sum of |products|
-        assert ((y.double() - exact).abs() <= 2e-6 * scale + 1e-30).all(), (kind, m)
+        xm = x[:m].double()
+        exact = xm @ w.T
+        # each activation is an int16 code of its row's max|x| / 16383 (within half a step), times fp32 sums whose
+        # rounding is relative to the sum of |products|
+        codes = 0.5 * xm.abs().amax(dim=1, keepdim=True) / 16383 * w.abs().sum(dim=1)
+        floats = 2e-6 * (xm.abs() @ w.abs().T)
+        assert ((y.double() - exact).abs() <= codes + floats).all(), (kind, m)
         assert torch.equal(y[:1], single)  # a row's sum does not depend on the rows beside it
 
 
@@ -101,7 +107,7 @@ def test_stacked_parts_each_in_its_format(isa, one_thread):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         with torch.no_grad():
             got, expected = layer(x, rms), reference(x, rms)
-        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+        assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()  # the int16 activation codes' rounding
 
 
 def tiny_llama(hidden: int) -> LlamaForCausalLM:
@@ -168,7 +174,8 @@ def test_fused_step_matches_the_portable_path(kquant_file, isa, one_thread):
     seq.release()
     expected = expected[7:]
     for e, g in zip(expected, got):
-        assert (e - g).abs().max() <= 1e-4 * e.abs().max()
+        # every product meets int16 activation codes (and the int8 head), where the portable path multiplies fp32
+        assert (e - g).abs().max() <= 1e-3 * e.abs().max()
         assert int(e.argmax()) == int(g.argmax())
     prompt = tokens[:8]
     assert (

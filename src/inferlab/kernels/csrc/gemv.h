@@ -825,7 +825,7 @@ struct Projection {
     if (block_bytes) {
       with_block_format(block_bytes, [&](auto format) {
         using B = decltype(format);
-        run_rows(BlockFormat<B>(weight.data_ptr<uint8_t>(), K, x, M), M, nullptr, bias.data(), y, N, weight.nbytes() / N);
+        run_rows(BlockFormat<B>(weight.data_ptr<uint8_t>(), K, x, M, int16_codes), M, nullptr, bias.data(), y, N, weight.nbytes() / N);
       });
       return;
     }

@@ -3,17 +3,22 @@
 // the super-block's fp16 factor) and the 32-weight blocks (Q4_0, Q5_0, Q5_1, Q8_0) that a K-quant file falls back to
 // where a row is not a multiple of 256.
 //
-// Every format here is w = scale[j] * q + offset[j] per sub-block j, with q a small integer. A weight row's product
-// with an activation row is therefore sum_j scale[j] * (q_j . x_j) + sum_j offset[j] * sum(x_j): the codes are widened
-// to fp32 in registers and fused-multiply-added with the fp32 activations (every product exact), each sub-block's
-// dot scaled once, and the offsets meet the activations' sums per sub-block, computed once per call. The arithmetic is
-// the dequantized weights' (gguf's dequantize) up to float rounding, with no quantization of the activations.
-// Each (weight row, activation row) product is summed in one order whatever rows come with it (batch invariance, as
-// gemv.h's other formats). Used by gemv.h's Projection for uint8 weights (N, blocks, bytes per block): the block's
-// size in bytes names its format.
+// Every format here is w = factor * scale[j] * q + offset_factor * min[j] per sub-block j, with q, scale and min small
+// integers (Q4_K/Q5_K: 6-bit scales and mins under the super-block's fp16 d and dmin; Q6_K: int8 scales under d; the
+// 32-weight formats one fp16 d, Q5_1 also an fp16 m). The activations are the int16 codes the int8 and int4 formats
+// take (gemv.h's int16_codes: x / max|x| * 16383 per row, the scale applied once at the end); the codes are widened to
+// int16 lanes in registers and multiplied by their sub-block's scale there (|scale * q| <= 4096), so a super-block's
+// products sum exactly in int32 lanes (VNNI's vpdpwssd, AVX2's madd: 32 or 16 products an instruction; at most
+// 32 * 4096 * 16383 < 2^31 a lane), and each super-block adds factor * that sum to a float sum once; the mins meet the
+// activation codes' sum per sub-block (integers too): offset_factor * sum_j min[j] * sum(codes_j). The result is the
+// dequantized weights' product (gguf's dequantize) up to float rounding and the activation codes' rounding (half a
+// code step per activation). Each (weight row, activation row) product is summed in one order whatever rows come with
+// it (batch invariance, as gemv.h's other formats). Used by gemv.h's Projection for uint8 weights (N, blocks, bytes per
+// block): the block's size in bytes names its format.
 #pragma once
 
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #include "parallel.h"
@@ -28,45 +33,60 @@ inline float half_at(const uint8_t* p) {  // an fp16 stored at any alignment, as
   return _cvtsh_ss(h);
 }
 
-// Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins of 8 sub-blocks: sub-blocks 0-3 in the low 6 bits of bytes 0-3
-// (scales) and 4-7 (mins); 4-7 in the nibbles of bytes 8-11, their top 2 bits in the top bits of bytes 0-7
-inline void k_scales(const uint8_t* b, float* scale, float* offset) {
-  const float d = half_at(b), dmin = half_at(b + 2);
-  const uint8_t* s = b + 4;
-  for (int j = 0; j < 8; ++j) {
-    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    scale[j] = d * static_cast<float>(sc);
-    offset[j] = -(dmin * static_cast<float>(m));
-  }
+inline uint32_t word_at(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, sizeof w);
+  return w;
 }
 
-// A format: kWeights per block of kBytes, sub-blocks of kSub weights; scales() gives each sub-block's scale and (with
-// kOffsets) offset; codes<L>(block, j, i) the integer codes of weights i.. i + L::N - 1 of sub-block j
+// A block's factors and its sub-blocks' integer scales and mins
+struct Header {
+  float factor = 0, offset_factor = 0;
+  int8_t scales[16], mins[8];
+};
 
-// Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of scales and mins, 128 bytes of nibbles: sub-blocks 2c and 2c + 1 are
-// the low and high nibbles of bytes 32c.. 32c + 31. w = d * sc * q - dmin * m
+// A format: kWeights per block of kBytes, sub-blocks of kSub weights; header() its factors (with kSubScales, its
+// sub-blocks' scales; with kOffsets, their mins); codes<L>(block, first) the integer codes of weights first..
+// first + 2 L::N - 1 of the block, as int16 lanes
+
+// Q4_K and Q5_K: fp16 d, fp16 dmin, then 12 bytes of 6-bit scales and mins of 8 sub-blocks: sub-blocks 0-3 in the low 6
+// bits of bytes 0-3 (scales) and 4-7 (mins), 4-7 in the nibbles of bytes 8-11 with their top 2 bits in the top bits of
+// bytes 0-7. w = d * scale * q - dmin * min. Unpacked four at a time in 32-bit words
+inline void k_header(const uint8_t* b, Header& h) {
+  h.factor = half_at(b);
+  h.offset_factor = -half_at(b + 2);
+  const uint32_t low = word_at(b + 4), high = word_at(b + 8), top = word_at(b + 12);
+  const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
+  const uint32_t scales[2] = {low & six, (top & four) | ((low >> 6) & two) << 4};
+  const uint32_t mins[2] = {high & six, ((top >> 4) & four) | ((high >> 6) & two) << 4};
+  std::memcpy(h.scales, scales, sizeof scales);
+  std::memcpy(h.mins, mins, sizeof mins);
+}
+
+// Q4_K (144 bytes): the header, then 128 bytes of nibbles: sub-blocks 2c and 2c + 1 the low and high nibbles of bytes
+// 32c.. 32c + 31
 struct Q4K {
   static constexpr int64_t kWeights = 256, kBytes = 144, kSub = 32;
-  static constexpr bool kOffsets = true;
-  static void scales(const uint8_t* b, float* scale, float* offset) { k_scales(b, scale, offset); }
+  static constexpr bool kSubScales = true, kOffsets = true;
+  static void header(const uint8_t* b, Header& h) { k_header(b, h); }
   template <typename L>
-  static typename L::I codes(const uint8_t* b, int j, int i) {
-    return L::and_int(L::shift_right_by(L::widen_uint8(b + 16 + 32 * (j / 2) + i), 4 * (j % 2)), L::set1_int(0xF));
+  static typename L::I codes(const uint8_t* b, int first) {
+    const int j = first / 32;
+    return L::and_int(L::shift_right16(L::widen_uint8_16(b + 16 + 32 * (j / 2) + first % 32), 4 * (j % 2)), L::set1_16(0xF));
   }
 };
 
-// Q5_K (176 bytes): as Q4_K, with 32 bytes of fifth bits after the scales (bit j of byte i: weight i of sub-block j)
+// Q5_K (176 bytes): as Q4_K, with 32 bytes of fifth bits after the header (bit j of byte i: weight i of sub-block j)
 struct Q5K {
   static constexpr int64_t kWeights = 256, kBytes = 176, kSub = 32;
-  static constexpr bool kOffsets = true;
-  static void scales(const uint8_t* b, float* scale, float* offset) { k_scales(b, scale, offset); }
+  static constexpr bool kSubScales = true, kOffsets = true;
+  static void header(const uint8_t* b, Header& h) { k_header(b, h); }
   template <typename L>
-  static typename L::I codes(const uint8_t* b, int j, int i) {
-    const typename L::I low =
-        L::and_int(L::shift_right_by(L::widen_uint8(b + 48 + 32 * (j / 2) + i), 4 * (j % 2)), L::set1_int(0xF));
-    const typename L::I high = L::and_int(L::shift_right_by(L::widen_uint8(b + 16 + i), j), L::set1_int(1));
-    return L::or_int(low, L::shift_left_by(high, 4));
+  static typename L::I codes(const uint8_t* b, int first) {
+    const int j = first / 32, l = first % 32;
+    const typename L::I low = L::and_int(L::shift_right16(L::widen_uint8_16(b + 48 + 32 * (j / 2) + l), 4 * (j % 2)), L::set1_16(0xF));
+    const typename L::I high = L::and_int(L::shift_right16(L::widen_uint8_16(b + 16 + l), j), L::set1_16(1));
+    return L::or_int(low, L::shift_left16(high, 4));
   }
 };
 
@@ -75,75 +95,63 @@ struct Q5K {
 // 32h + l; w = d * scale * (q - 32)
 struct Q6K {
   static constexpr int64_t kWeights = 256, kBytes = 210, kSub = 16;
-  static constexpr bool kOffsets = false;
-  static void scales(const uint8_t* b, float* scale, float*) {
-    const float d = half_at(b + 208);
-    for (int j = 0; j < 16; ++j) scale[j] = d * static_cast<float>(static_cast<int8_t>(b[192 + j]));
+  static constexpr bool kSubScales = true, kOffsets = false;
+  static void header(const uint8_t* b, Header& h) {
+    h.factor = half_at(b + 208);
+    for (int j = 0; j < 16; ++j) h.scales[j] = static_cast<int8_t>(b[192 + j]);
   }
   template <typename L>
-  static typename L::I codes(const uint8_t* b, int j, int i) {
-    const int h = j / 8, k = j % 8 / 2, l = 16 * (j % 2) + i;
+  static typename L::I codes(const uint8_t* b, int first) {
+    const int h = first / 128, k = first % 128 / 32, l = first % 32;
     const typename L::I low =
-        L::and_int(L::shift_right_by(L::widen_uint8(b + 64 * h + 32 * (k % 2) + l), 4 * (k / 2)), L::set1_int(0xF));
-    const typename L::I high = L::and_int(L::shift_right_by(L::widen_uint8(b + 128 + 32 * h + l), 2 * k), L::set1_int(3));
-    return L::sub_int(L::or_int(low, L::shift_left_by(high, 4)), L::set1_int(32));
+        L::and_int(L::shift_right16(L::widen_uint8_16(b + 64 * h + 32 * (k % 2) + l), 4 * (k / 2)), L::set1_16(0xF));
+    const typename L::I high = L::and_int(L::shift_right16(L::widen_uint8_16(b + 128 + 32 * h + l), 2 * k), L::set1_16(3));
+    return L::sub16(L::or_int(low, L::shift_left16(high, 4)), L::set1_16(32));
   }
 };
 
 // The 32-weight blocks: weight i < 16 in the low nibble of byte i, weight i + 16 in its high nibble (Q4_0, Q5_0, Q5_1),
 // their fifth bits (Q5_0, Q5_1) bit i of a 32-bit word; Q8_0 32 int8
-template <typename L>
-typename L::I nibbles(const uint8_t* qs, int i) {
-  return L::and_int(L::shift_right_by(L::widen_uint8(qs + i % 16), 4 * (i / 16)), L::set1_int(0xF));
-}
-template <typename L>
-typename L::I fifth_bits(const uint8_t* qh, int i) {
-  uint32_t bits;
-  std::memcpy(&bits, qh, sizeof bits);
-  const typename L::I at = L::add(L::iota(), L::set1_int(i));
-  return L::shift_left_by(L::and_int(L::shift_right_lanes(L::set1_int(static_cast<int32_t>(bits)), at), L::set1_int(1)), 4);
-}
-
 struct Q4_0 {  // fp16 d, 16 bytes; w = d * (q - 8)
   static constexpr int64_t kWeights = 32, kBytes = 18, kSub = 32;
-  static constexpr bool kOffsets = false;
-  static void scales(const uint8_t* b, float* scale, float*) { scale[0] = half_at(b); }
+  static constexpr bool kSubScales = false, kOffsets = false;
+  static void header(const uint8_t* b, Header& h) { h.factor = half_at(b); }
   template <typename L>
-  static typename L::I codes(const uint8_t* b, int, int i) {
-    return L::sub_int(nibbles<L>(b + 2, i), L::set1_int(8));
+  static typename L::I codes(const uint8_t* b, int first) {
+    return L::sub16(L::nibbles16(b + 2, first), L::set1_16(8));
   }
 };
 
 struct Q5_0 {  // fp16 d, 4 bytes of fifth bits, 16 bytes; w = d * (q - 16)
   static constexpr int64_t kWeights = 32, kBytes = 22, kSub = 32;
-  static constexpr bool kOffsets = false;
-  static void scales(const uint8_t* b, float* scale, float*) { scale[0] = half_at(b); }
+  static constexpr bool kSubScales = false, kOffsets = false;
+  static void header(const uint8_t* b, Header& h) { h.factor = half_at(b); }
   template <typename L>
-  static typename L::I codes(const uint8_t* b, int, int i) {
-    return L::sub_int(L::or_int(nibbles<L>(b + 6, i), fifth_bits<L>(b + 2, i)), L::set1_int(16));
+  static typename L::I codes(const uint8_t* b, int first) {
+    return L::sub16(L::or_int(L::nibbles16(b + 6, first), L::sixteens(word_at(b + 2) >> first)), L::set1_16(16));
   }
 };
 
 struct Q5_1 {  // fp16 d, fp16 m, 4 bytes of fifth bits, 16 bytes; w = d * q + m
   static constexpr int64_t kWeights = 32, kBytes = 24, kSub = 32;
-  static constexpr bool kOffsets = true;
-  static void scales(const uint8_t* b, float* scale, float* offset) {
-    scale[0] = half_at(b);
-    offset[0] = half_at(b + 2);
+  static constexpr bool kSubScales = false, kOffsets = true;
+  static void header(const uint8_t* b, Header& h) {
+    h.factor = half_at(b);
+    h.offset_factor = half_at(b + 2);
   }
   template <typename L>
-  static typename L::I codes(const uint8_t* b, int, int i) {
-    return L::or_int(nibbles<L>(b + 8, i), fifth_bits<L>(b + 4, i));
+  static typename L::I codes(const uint8_t* b, int first) {
+    return L::or_int(L::nibbles16(b + 8, first), L::sixteens(word_at(b + 4) >> first));
   }
 };
 
 struct Q8_0 {  // fp16 d, 32 int8; w = d * q
   static constexpr int64_t kWeights = 32, kBytes = 34, kSub = 32;
-  static constexpr bool kOffsets = false;
-  static void scales(const uint8_t* b, float* scale, float*) { scale[0] = half_at(b); }
+  static constexpr bool kSubScales = false, kOffsets = false;
+  static void header(const uint8_t* b, Header& h) { h.factor = half_at(b); }
   template <typename L>
-  static typename L::I codes(const uint8_t* b, int, int i) {
-    return L::widen_int8(reinterpret_cast<const int8_t*>(b + 2 + i));
+  static typename L::I codes(const uint8_t* b, int first) {
+    return L::widen_int8_16(reinterpret_cast<const int8_t*>(b + 2 + first));
   }
 };
 
@@ -170,41 +178,56 @@ inline int64_t block_weights(int64_t bytes) {
 }
 
 // The weight-format interface of gemv.h's rows(): dot<R, M>(n, acc, m0, from_memory) over blocks of B, the activations
-// the caller's fp32 rows (M, K) themselves
+// as int16 codes per row (`codes`: gemv.h's int16_codes)
 template <typename B>
 struct BlockFormat {
   using L = Wide;
-  // a decode batch: one or two weight rows per dot call, their two partial sums per activation row in registers
+  // a decode batch: one or two weight rows per dot call, their sums per activation row in registers
   static constexpr int kTileRows = 1, kRows = kLanes == 16 ? 2 : 1, kChunk = 4;
+  static constexpr int kVector = 2 * L::N;  // weights per vector of int16 codes
   static constexpr int kSubs = B::kWeights / B::kSub;
   const uint8_t* w;
   int64_t K, blocks, row_bytes, subs;  // subs: sub-blocks per row
-  const float* x;                      // (M, K)
-  std::vector<float> x_sums;           // kOffsets: (M, subs), each sub-block's sum of activations
-  std::vector<float> x_scale;          // (M,): 1 (rows() scales by it)
+  std::vector<int16_t> x;              // (M, K) activation codes
+  std::vector<float> x_sums;           // kOffsets: (M, subs), each sub-block's sum of codes (exact in fp32)
+  std::vector<float> x_scale;          // (M,): the value of a code step
 
-  BlockFormat(const uint8_t* weights, int64_t K_, const float* xf, int64_t M)
-      : w(weights), K(K_), blocks(K_ / B::kWeights), row_bytes(blocks * B::kBytes), subs(K_ / B::kSub), x(xf),
-        x_sums(B::kOffsets ? M * subs : 0), x_scale(M, 1.0f) {
-    if constexpr (B::kOffsets) {
-      for_each_row(M, [&](int64_t m) {
+  template <typename Codes>
+  BlockFormat(const uint8_t* weights, int64_t K_, const float* xf, int64_t M, Codes codes)
+      : w(weights), K(K_), blocks(K_ / B::kWeights), row_bytes(blocks * B::kBytes), subs(K_ / B::kSub), x(M * K_),
+        x_sums(B::kOffsets ? M * subs : 0), x_scale(M) {
+    for_each_row(M, [&](int64_t m) {
+      int16_t* row = x.data() + m * K;
+      x_scale[m] = codes(xf + m * K, K, row);
+      if constexpr (B::kOffsets) {
         for (int64_t s = 0; s < subs; ++s) {
-          const float* part = x + m * K + s * B::kSub;
-          float t = 0.0f;
-          for (int64_t k = 0; k < B::kSub; ++k) t += part[k];
-          x_sums[m * subs + s] = t;
+          x_sums[m * subs + s] = static_cast<float>(std::accumulate(row + s * B::kSub, row + (s + 1) * B::kSub, 0));
         }
-      });
+      }
+    });
+  }
+
+  // the sub-block scales of weights first.. first + kVector - 1, a lane each
+  static typename L::I sub_scales(const Header& h, int first) {
+    if constexpr (B::kSub >= kVector) {
+      return L::set1_16(h.scales[first / B::kSub]);
+    } else {
+      static_assert(2 * B::kSub == kVector, "a vector spans at most two sub-blocks");
+      return L::halves16(h.scales[first / B::kSub], h.scales[first / B::kSub + 1]);
     }
   }
 
   template <int R, int M>
   void dot(int64_t n, float* acc, int64_t m0, bool from_memory) const {
-    // two running sums per product (even and odd sub-blocks): one would wait on each sub-block's multiply-add
+    static_assert(!B::kOffsets || kSubs == 8 || kSubs == 1, "mins per 8 sub-blocks (a vector) or per block");
+    // two running sums per product (even and odd blocks): one would wait on each block's multiply-add; the mins' sums
+    // in 8 lanes (a K-quant's sub-blocks) or one
     typename L::V total[R * M][2];
+    Narrow::V offsets[R * M];
     float offset[R * M];
     for (int i = 0; i < R * M; ++i) {
       total[i][0] = total[i][1] = L::zero();
+      offsets[i] = Narrow::zero();
       offset[i] = 0.0f;
     }
     for (int64_t b = 0; b < blocks; ++b) {
@@ -212,24 +235,33 @@ struct BlockFormat {
         const uint8_t* block = w + (n + r) * row_bytes + b * B::kBytes;
         // the stream kL2PrefetchBytes ahead, a request per line: once per block, or per line a small block starts
         if (from_memory && (B::kBytes >= 64 || (b * B::kBytes) % 64 < B::kBytes)) prefetch_lines(block, B::kBytes);
-        float scale[kSubs], off[kSubs];
-        B::scales(block, scale, off);
-        const float* xs = x + b * B::kWeights;
-        for (int j = 0; j < kSubs; ++j) {
-          typename L::V part[M];
-          for (int m = 0; m < M; ++m) part[m] = L::zero();
-          for (int i = 0; i < B::kSub; i += L::N) {
-            const typename L::V q = L::to_float(B::template codes<L>(block, j, i));
-            for (int m = 0; m < M; ++m) part[m] = L::fmadd(q, L::load(xs + (m0 + m) * K + j * B::kSub + i), part[m]);
-          }
-          for (int m = 0; m < M; ++m) {
-            total[r * M + m][j % 2] = L::fmadd(L::set1(scale[j]), part[m], total[r * M + m][j % 2]);
-            if constexpr (B::kOffsets) offset[r * M + m] += off[j] * x_sums[(m0 + m) * subs + b * kSubs + j];
+        Header h;
+        B::header(block, h);
+        typename L::I sums[M];
+        for (int m = 0; m < M; ++m) sums[m] = L::zero_int();
+        const int16_t* xs = x.data() + m0 * K + b * B::kWeights;
+        for (int first = 0; first < B::kWeights; first += kVector) {
+          typename L::I q = B::template codes<L>(block, first);
+          if constexpr (B::kSubScales) q = L::mul16(q, sub_scales(h, first));
+          for (int m = 0; m < M; ++m) sums[m] = L::dot_int16(sums[m], q, L::load_int(xs + m * K + first));
+        }
+        Narrow::V mins = Narrow::zero();  // offset_factor * min per sub-block (exact: fp16 times 6 bits)
+        if constexpr (B::kOffsets && kSubs == 8) mins = Narrow::mul(Narrow::load(h.mins), Narrow::set1(h.offset_factor));
+        for (int m = 0; m < M; ++m) {
+          typename L::V& t = total[r * M + m][b % 2];
+          t = L::fmadd(L::to_float(sums[m]), L::set1(h.factor), t);
+          if constexpr (B::kOffsets) {
+            const float* s = x_sums.data() + (m0 + m) * subs + b * kSubs;
+            if constexpr (kSubs == 8) {
+              offsets[r * M + m] = Narrow::fmadd(mins, Narrow::load(s), offsets[r * M + m]);
+            } else {
+              offset[r * M + m] += h.offset_factor * s[0];
+            }
           }
         }
       }
     }
-    for (int i = 0; i < R * M; ++i) acc[i] = L::sum(L::add(total[i][0], total[i][1])) + offset[i];
+    for (int i = 0; i < R * M; ++i) acc[i] = L::sum(L::add(total[i][0], total[i][1])) + (Narrow::sum(offsets[i]) + offset[i]);
   }
 };
 
