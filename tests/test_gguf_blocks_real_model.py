@@ -2,7 +2,7 @@
 its 576-wide rows fall back to Q5_0 (Q8_0 where the mix wants Q6_K) and ffn_down's 1536-wide ones are Q4_K / Q6_K, as
 in llama.cpp's own Q4_K_M of it. Made by our quantizer (always) and by llama.cpp's llama-quantize where one is found
 ($INFERLAB_LLAMA_QUANTIZE or on PATH). On each kernel build this CPU runs, the fused step's teacher-forced greedy
-tokens equal the portable path's (gguf's dequantized weights, F.linear), its logits within 1e-3 of theirs (relative
+tokens equal the portable path's (gguf's dequantized weights, F.linear), its logits within 1e-2 of theirs (relative
 to the largest)."""
 
 import os
@@ -88,6 +88,6 @@ def test_fused_step_greedy_tokens_equal_the_portable_paths(q4_k_m, isa):
     fed, got = decode_logits(fast, tokens)
     fast.close()
     assert [int(g.argmax()) for g in got] == [int(e.argmax()) for e in expected]
-    # the LM head is int8 on both paths (quant/apply.py), which the kernel meets with int16 activation codes: their
-    # rounding, not the blocks', sets this bound (without the head the two differ by summation order alone)
-    assert max(((e - g).abs().max() / e.abs().max()).item() for e, g in zip(expected, got)) <= 1e-3
+    # the kernels meet every product with int16 activation codes (as int8 and int4 do; the LM head is int8 on both
+    # paths), the portable path with the fp32 activations themselves: measured up to 3.7e-3 of the largest logit
+    assert max(((e - g).abs().max() / e.abs().max()).item() for e, g in zip(expected, got)) <= 1e-2
