@@ -15,6 +15,7 @@ from gguf_writer import byte_level_vocab, write_gguf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from inferlab.api import load_engine
+from inferlab.errors import QuantizationError
 from inferlab.kernels.build import cpu_gemv_available, kernel_ops
 from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, dequantize_blocks
 from inferlab.quant.gguf_linear import GGUFBlockLinear
@@ -207,3 +208,9 @@ def test_int_precisions_requantize_a_kquant_file(kquant_file, precision, one_thr
     assert torch.nn.functional.cosine_similarity(got, expected, dim=-1).min() >= REQUANTIZED_MIN_COSINE[precision]
     engine.close()
     reference.close()
+
+
+def test_self_speculation_refuses_a_kquant_target(kquant_file):
+    """An int4 draft of a K-quant model would read about as many bytes a step as the model itself."""
+    with pytest.raises(QuantizationError, match="no fewer bytes than this gguf target"):
+        load_engine(model="local", precision="auto", spec="self", device="cpu", **{"model.path": str(kquant_file)})
