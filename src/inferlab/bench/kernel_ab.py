@@ -28,11 +28,15 @@ from torch import Tensor
 from inferlab.kernels.build import CSRC, GEMV_SOURCE, active_isa, compile_kernels, kernel_ops, kernels_build_dir
 from inferlab.kernels.isa import Isa
 from inferlab.quant.int4 import pack_nibbles, quantize_groups_int4, tile_parts, tile_rows
+from inferlab.quant.kquants import quantize_blocks
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's qkv, o, gate|up, down (N, K)
 # int4_x8: int4 weights, int8 activation codes (a draft's); int4_bf16: int4 weights multiplied in bf16 on the amx build
 # (the fused step's from its dense_from_rows: csrc/amx.h's Int4DequantTiles)
-FORMATS = ("fp32", "bf16", "int8", "int4", "int4_x8", "int4_bf16")
+# q4_k, q6_k: GGUF blocks as a K-quant file keeps them (csrc/ggml_blocks.h), the 32-weight format of about as many bits
+# where K is not a multiple of 256 (Q5_0, Q8_0), as in SmolLM2-135M's Q4_K_M
+FORMATS = ("fp32", "bf16", "int8", "int4", "int4_x8", "int4_bf16", "q4_k", "q6_k")
+GGUF_FORMATS = {"q4_k": ("Q4_K", "Q5_0"), "q6_k": ("Q6_K", "Q8_0")}
 Weights = tuple[Tensor, Tensor | None, Tensor | None]  # weight, scales, mins as the gemv op takes them
 
 
@@ -69,6 +73,9 @@ def random_weights(weight_format: str, n: int, k: int, tile_rows_: int) -> Weigh
         tiles = tile_rows(pack_nibbles(codes), scales, mins, tile_rows_)
         _, tile_scales, tile_mins = tile_parts(tiles, scales.shape[1])
         return tiles, tile_scales, tile_mins
+    if weight_format in GGUF_FORMATS:
+        kquant, fallback = GGUF_FORMATS[weight_format]
+        return quantize_blocks(torch.randn(n, k), kquant if k % 256 == 0 else fallback), None, None
     if weight_format == "int8":
         return torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) / 100, None
     return torch.randn(n, k).to(torch.float32 if weight_format == "fp32" else torch.bfloat16), None, None

@@ -35,12 +35,18 @@ SHORT_CHUNK_ROWS = 128
 
 def projection_parts(linear: nn.Module, with_copy: bool = True) -> list[Tensor] | None:
     """[weight, scales, mins, bias, dense copy] as the C++ plan takes a projection (absent parts empty; the copy: a
-    DenseCopyLayer's bf16 one, with `with_copy`), or None when this layer does not run on the gemv kernel."""
+    DenseCopyLayer's bf16 one, with `with_copy`), once per part of a stacked one (layer.KernelWeights), or None when
+    this layer does not run on the gemv kernel."""
     weights = linear.kernel_weights() if isinstance(linear, KernelLayer) else None
     if weights is None or linear.in_features % GEMV_K_STEP or linear.in_features > GEMV_MAX_K:
         return None
     copy = bf16_copy(linear) if with_copy else None
-    return [*weights.parts(), copy.detach() if copy is not None else weights.weight.new_empty(0)]
+    empty = weights.weight.new_empty(0)
+    return [
+        tensor
+        for part in weights.every_part()
+        for tensor in (*part.parts(), copy.detach() if copy is not None and part is weights else empty)
+    ]
 
 
 def bf16_copy(layer: nn.Module) -> Tensor | None:

@@ -19,38 +19,49 @@ FORMAT_DTYPES = {
     "int8": torch.int8,
     "int4": torch.uint8,
     "int4_tiles": torch.int32,
+    "gguf": torch.uint8,
 }
 INT4_FORMATS = ("int4", "int4_tiles")
+UNSCALED_FORMATS = ("fp32", "bf16", "gguf")  # no scales beside the weight: none, or the blocks' own
 
 
 @dataclass(frozen=True)
 class KernelWeights:
     """One projection's weights as csrc/gemv.h reads them: w = weight (fp32, bf16), weight * scales (int8,
     one scale per row), or q * scale + min per group of `group_size` inputs (int4, two codes per byte; as nibble
-    rows, or as the kernel's tiles of rows, quant/int4.py's tile_rows)."""
+    rows, or as the kernel's tiles of rows, quant/int4.py's tile_rows), or GGUF blocks as the file stores them
+    (model/gguf_blocks.py; their size in bytes names the format). `stacked`: further rows of the same projection,
+    each part in its own format (a GGUF file may keep a fused projection's parts in different ones)."""
 
-    format: str  # "fp32" | "bf16" | "int8" | "int4" | "int4_tiles"
+    format: str  # "fp32" | "bf16" | "int8" | "int4" | "int4_tiles" | "gguf"
     # (N, K) in FORMAT_DTYPES[format]; int4: uint8 (N, K / 2), column 2j in the low nibble; int4_tiles: int32
-    # (N / L, K / 8 + G, L), blocks of L rows holding their codes, then per group their fp16 scales and mins
+    # (N / L, K / 8 + G, L), blocks of L rows holding their codes, then per group their fp16 scales and mins; gguf:
+    # uint8 (N, K / weights per block, bytes per block)
     weight: Tensor
     # int8: (N,); int4: fp32 (N, G = K / group_size); int4_tiles: fp16 (N / L, G, L) views of weight's
     scales: Tensor | None = None
     mins: Tensor | None = None  # int4: fp32 (N, G); int4_tiles: fp16 (N / L, G, L) views of weight's
     bias: Tensor | None = None  # (N,)
     group_size: int | None = None  # int4
+    stacked: tuple[KernelWeights, ...] = ()
 
     def __post_init__(self) -> None:
         if FORMAT_DTYPES.get(self.format) != self.weight.dtype:
             raise ValueError(f"{self.format} weights must be {FORMAT_DTYPES.get(self.format)}, not {self.weight.dtype}")
-        if (self.scales is None) != (self.format in ("fp32", "bf16")):
+        if (self.scales is None) != (self.format in UNSCALED_FORMATS):
             raise ValueError(f"{self.format} weights {'need' if self.scales is None else 'take no'} scales")
         if (self.mins is None or self.group_size is None) == (self.format in INT4_FORMATS):
             raise ValueError("int4 weights, and only they, have mins and a group size")
 
     def parts(self) -> list[Tensor]:
-        """[weight, scales, mins, bias], absent ones empty: a projection as the C++ decode plan takes it."""
+        """[weight, scales, mins, bias], absent ones empty: a projection (its first part) as the C++ decode plan takes
+        it."""
         empty = self.weight.new_empty(0)
         return [empty if t is None else t.detach() for t in (self.weight, self.scales, self.mins, self.bias)]
+
+    def every_part(self) -> tuple[KernelWeights, ...]:
+        """This projection's parts in the order of their rows: itself, then the stacked ones."""
+        return (self, *self.stacked)
 
 
 @runtime_checkable

@@ -3,7 +3,8 @@
 llama.cpp's converter renames HF tensors (`blk.N.attn_q.weight`), fuses some (Phi-3's attn_qkv,
 its gate+up as ffn_up), interleaves the RoPE halves of q/k rows for the llama architecture, and
 stores Gemma's (1 + w) norms as 1 + w. `linear_sources` says, per decoder Linear, which file
-tensors make it, so the float loader here and the Q4_1 import (quant/gguf_q4.py) read one truth.
+tensors make it, so the float loader here and the block imports (quant/gguf_q4.py, quant/gguf_linear.py) read one
+truth.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from inferlab.errors import ModelLoadError
 from inferlab.model.config import ModelConfig
+from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, dequantize_blocks
 from inferlab.model.tokenizer import Tokenizer
 from inferlab.native_memory import return_freed_memory
 
@@ -316,6 +318,8 @@ def dequantize(tensor, dtype: torch.dtype, chunk_elements: int = 1 << 22) -> Ten
     def rows(part) -> Tensor:
         if kind in BLOCK_READERS and part.ndim == 2:
             return block_values(part, kind)
+        if kind in BLOCK_LAYOUTS and part.ndim == 2:
+            return dequantize_blocks(torch.from_numpy(np.array(part, dtype=np.uint8)), kind)
         try:
             values = quants.dequantize(part, tensor.tensor_type)
         except NotImplementedError:

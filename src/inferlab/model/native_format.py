@@ -2,7 +2,8 @@
 
 A GGUF file says its format in `general.file_type` (llama.cpp's LlamaFileType): its Q4_1 blocks import
 as they are into int4, Q8_0 into int8, 16-bit floats run as bf16 (CPUs have bf16 dot products, rarely
-fp16 ones) and F32 as fp32. An HF checkpoint runs in its config's dtype. Random init has no stored
+fp16 ones) and F32 as fp32; the K-quant mixes (Q4_K_M, Q5_K_M, Q6_K, ...) and Q4_0/Q5_0/Q5_1 run as gguf, every
+tensor in the block format the file keeps it in (a Q4_K_M file's Q6_K and fallback Q5_0/Q8_0 tensors included). An HF checkpoint runs in its config's dtype. Random init has no stored
 format and runs in fp32, the reference precision.
 """
 
@@ -14,8 +15,24 @@ from typing import Any
 
 from inferlab.model.loader import locate_package_file, model_file, read_gguf_fields
 
-GGUF_FILE_TYPES = {0: "fp32", 1: "bf16", 2: "int4", 3: "int4", 7: "int8", 32: "bf16"}  # F32 F16 Q4_0 Q4_1 Q8_0 BF16
-GGUF_FILE_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 32: "BF16"}
+GGUF_FILE_TYPE_NAMES = {  # llama.cpp's LlamaFileType values
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    32: "BF16",
+}
+GGUF_FILE_TYPES = {0: "fp32", 1: "bf16", 3: "int4", 7: "int8", 32: "bf16"} | {
+    t: "gguf" for t in (2, 8, 9, 14, 15, 16, 17, 18)
+}
 HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 FALLBACK = "fp32"
 

@@ -1,6 +1,7 @@
 """quantize_model: swap a decoder's nn.Linear layers for quantized ones in place, and say what changed.
 
-The decoder's Linears get the asked format. The LM head gets int8 in both modes: it is the layer
+The decoder's Linears get the asked format; "gguf" keeps a GGUF file's own blocks (quant/gguf_linear.py) for every
+Linear the file stores in a block format the kernels read, each part in its own. The LM head gets int8 in both modes: it is the layer
 perplexity is most sensitive to (llama.cpp's 4-bit files keep it at 6-8 bits; this model's GGUF keeps
 the tied embedding at Q8_0). A tied embedding then looks its rows up in the head's int8 matrix, so
 the two still share one copy.
@@ -18,20 +19,21 @@ from inferlab.kernels.aten import int8_kernel_fits
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.model.gguf_loader import linear_reader
 from inferlab.native_memory import return_freed_memory
+from inferlab.quant.gguf_linear import GGUFBlockLinear, read_block_linears
 from inferlab.quant.gguf_q4 import Q4_1_GROUP, read_q4_1_linears
 from inferlab.quant.int4 import Int4GroupLinear, check_group_size
 from inferlab.quant.int8 import Int8Embedding, Int8Linear
 
-MODES = ("int8", "int4")
-QUANTIZED = (Int8Linear, Int4GroupLinear, Int8Embedding)
+MODES = ("int8", "int4", "gguf")
+QUANTIZED = (Int8Linear, Int4GroupLinear, Int8Embedding, GGUFBlockLinear)
 HEAD = "output"
 
 
 @dataclass
 class LayerQuant:
     name: str
-    format: str  # "int8" | "int4"
-    source: str  # "quantized" (from the float weights) | "gguf_q4_1" (the file's blocks, as they are)
+    format: str  # "int8" | "int4" | "gguf:<its parts' block types>" ("gguf:Q4_K+Q6_K")
+    source: str  # "quantized" (from the float weights) | "gguf_q4_1" | "gguf_blocks" (the file's blocks, as they are)
     kernel: str  # "gemv" (kernels/csrc) | "int8pack" | "cpu" | "cuda" (int4pack) | "rows" (dequantize-then-linear)
     bytes_before: int
     bytes_after: int
@@ -72,11 +74,13 @@ def module_bytes(module: nn.Module) -> int:
 def _kernel(module: nn.Module) -> str:
     """The kernel a decode step runs: gemv (kernels/csrc), int8pack, aten's int4pack "cpu" / "cuda", or "rows"
     (the dequantize-then-linear reference)."""
-    device = module.weight.device
+    device = next(module.buffers()).device
     if module.kernel_weights() is not None and device.type == "cpu" and cpu_gemv_available():
         return "gemv"
     if isinstance(module, Int4GroupLinear):
         return module.layout
+    if isinstance(module, GGUFBlockLinear):
+        return "rows"
     return "int8pack" if module.use_kernel and int8_kernel_fits(device, module.scales.dtype) else "rows"
 
 
@@ -89,7 +93,9 @@ def quantize_model(
     use_kernel: bool = True,
 ) -> QuantReport:
     """Quantize in place; with `gguf_path`, int4 at group size 32 imports the file's Q4_1 blocks losslessly, and
-    the `stand_ins` the loader left unread (gguf_loader.load_gguf's defer_linears) are read from it one at a time.
+    the `stand_ins` the loader left unread (gguf_loader.load_gguf's defer_linears) are read from it one at a time;
+    "gguf" imports every decoder Linear the file keeps in a block format the kernels read (the others, float in the
+    file, stay float).
 
     `group_size` applies to int4 only (None -> 64). Checks every layer before changing any, so a refused
     model is left as it was.
@@ -113,9 +119,13 @@ def quantize_model(
                     raise QuantizationError(f"{name}: {e}") from None
     else:
         group_size = None
-    imported = (
-        read_q4_1_linears(gguf_path, model.config) if gguf_path and mode == "int4" and group_size == Q4_1_GROUP else {}
-    )
+    if mode == "gguf" and gguf_path is None:
+        raise QuantizationError("precision=gguf serves a GGUF file's own blocks; this model was not loaded from one")
+    imported: dict = {}
+    if gguf_path and mode == "int4" and group_size == Q4_1_GROUP:
+        imported = read_q4_1_linears(gguf_path, model.config)
+    elif gguf_path and mode == "gguf":
+        imported = read_block_linears(gguf_path, model.config)
     deferred = set(stand_ins or ()) - set(imported)
     if deferred and gguf_path is None:
         raise QuantizationError(f"{sorted(deferred)[0]}: a stand-in weight without its GGUF file to read it from")
@@ -131,14 +141,18 @@ def quantize_model(
             linear.weight = nn.Parameter(read(name), requires_grad=False)
         if name == HEAD or mode == "int8":
             new: nn.Module = Int8Linear(linear, use_kernel=use_kernel)
+        elif mode == "gguf":
+            if name not in imported:  # float in the file: stays as it is
+                continue
+            new = GGUFBlockLinear(linear, imported[name](), use_kernel=use_kernel)
         else:
             codes = imported[name]() if name in imported else None  # one layer's codes at a time
             new = Int4GroupLinear(linear, group_size, use_kernel=use_kernel, codes=codes)
         report.layers.append(
             LayerQuant(
                 name,
-                "int8" if isinstance(new, Int8Linear) else "int4",
-                "gguf_q4_1" if name in imported else "quantized",
+                _format(new),
+                ("gguf_blocks" if mode == "gguf" else "gguf_q4_1") if name in imported else "quantized",
                 _kernel(new),
                 module_bytes(linear),
                 module_bytes(new),
@@ -151,6 +165,12 @@ def quantize_model(
         return_freed_memory()
     report.bytes_after = weight_bytes(model)
     return report
+
+
+def _format(module: nn.Module) -> str:
+    if isinstance(module, GGUFBlockLinear):
+        return "gguf:" + "+".join(module.kinds)
+    return "int8" if isinstance(module, Int8Linear) else "int4"
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -22,7 +22,7 @@ def quantize_rows_int8(weight: Tensor, chunk_elements: int = 1 << 20) -> tuple[T
     scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
     step = max(1, chunk_elements // max(1, weight.shape[1]))
     for start in range(0, weight.shape[0], step):
-        w = weight[start : start + step].float()
+        w = weight[start : start + step].to(torch.float32, copy=True)  # worked on in place: never the caller's rows
         s = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
         codes[start : start + step] = w.div_(s[:, None]).round_().clamp_(-127, 127)
         scales[start : start + step] = s
@@ -66,9 +66,15 @@ class Int8Linear(nn.Module):
         return dtype != torch.bfloat16 or self.weight.device.type != "cpu" or bf16_gemm_native()
 
     def keep_dense_copy(self, dtype: torch.dtype) -> int:
-        """kernels/layer.py's DenseCopyLayer: the same values the reference path computes at each call."""
-        self.dense = self.dequantize().to(dtype)
-        return self.dense.nbytes
+        """kernels/layer.py's DenseCopyLayer: the same values the reference path computes at each call, 1 Mi weights
+        at a time (a vocabulary-sized head's fp32 temporary would raise loading's peak by its whole size)."""
+        dense = torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device)
+        step = max(1, (1 << 20) // self.in_features)
+        for start in range(0, self.out_features, step):
+            rows = slice(start, start + step)
+            dense[rows] = self.weight[rows].float() * self.scales[rows].float()[:, None]
+        self.dense = dense
+        return dense.nbytes
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
         if self.use_kernel and gemv_fits(

@@ -28,20 +28,24 @@ from torch import nn
 
 from inferlab.errors import QuantizationError
 from inferlab.model.transformer import Transformer
+from inferlab.quant.gguf_linear import GGUFBlockLinear
 from inferlab.quant.gguf_q4 import Q4_1_GROUP, read_q4_1_linears
 from inferlab.quant.int4 import Int4GroupLinear
 from inferlab.quant.int8 import Int8Embedding, Int8Linear
 
 DRAFT_PRECISIONS = ("int4", "int8")
-BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
+# gguf: a K-quant file's blocks, already as small as an int4 draft's (Q4_K 4.5 bits a weight, Q4_0 4.5)
+BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5, "gguf": 0.5}
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def weight_format(model: Transformer) -> str:
-    """How the decoder's Linears hold their weights: int4 | int8 | fp32 | bf16 | fp16."""
+    """How the decoder's Linears hold their weights: int4 | int8 | gguf | fp32 | bf16 | fp16."""
     layer = model.layers[0].feed_forward.w2
     if isinstance(layer, Int4GroupLinear):
         return "int4"
+    if isinstance(layer, GGUFBlockLinear):
+        return "gguf"
     if isinstance(layer, Int8Linear):
         return "int8"
     return DTYPE_NAMES[layer.weight.dtype]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from inferlab.api import compose, engine_from_config, memory_mib
+from inferlab.api import CONF_DIR, engine_from_config, memory_mib
 from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, register
 from inferlab.bench.studies.common import in_fresh_process
@@ -27,10 +27,11 @@ MIB = 2**20
 def run(cfg: DictConfig) -> Rows:
     rows = []
     for entry in progress(list(cfg.study.files), "load_memory files"):
-        overrides = [f"model={entry.model}", f"device={cfg.device.name}"]
-        if entry.get("file_format"):
-            overrides.append(f"model.file_format={entry.file_format}")
-        rows += in_fresh_process(measure, compose("engine", overrides))
+        job = cfg.copy()
+        with open_dict(job):
+            job.model = OmegaConf.load(CONF_DIR / "model" / f"{entry.model}.yaml")
+            job.model.file_format = entry.get("file_format")
+        rows += in_fresh_process(measure, job)
     return rows
 
 

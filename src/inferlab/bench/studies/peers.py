@@ -66,7 +66,7 @@ class Peer:
     paired: tuple[str, Prefill] | None = None  # (precision, its engine's prefill) timed beside ours
 
 
-@register("peers")
+@register("peers", "peer_sizes")
 def run(cfg: DictConfig) -> Rows:
     engine = engine_from_config(cfg)
     gguf = engine.loaded.gguf_path
@@ -89,7 +89,12 @@ def run(cfg: DictConfig) -> Rows:
             isa or engine.config.device.type,
             paired_prefill(cfg, isa, cfg.study.get("prefill_paired_with")) if e is engine else None,
         )
-    common = {"prompt_tokens": len(ids), "new_tokens": int(m.new_tokens), "torch_threads": torch.get_num_threads()}
+    common = {
+        "file_format": file_format(gguf),
+        "prompt_tokens": len(ids),
+        "new_tokens": int(m.new_tokens),
+        "torch_threads": torch.get_num_threads(),
+    }
     peers: dict[tuple[str, str | None], Peer] = {}
     unavailable = []
     for name in cfg.study.engines:
@@ -262,8 +267,8 @@ def llama_bench_peer(gguf: Path, precision: str, bin_dir: str | None) -> Peer:
     """llama.cpp's own llama-bench on the same file (built by `make llama-server`), one run per call: decode of
     `n` tokens after a context as deep as the prompt (-d), and a prompt of the same length (-p); its prompts are its
     own random tokens (a forward's cost does not depend on which). It runs the job's file as stored, so it has a
-    counterpart only where the job serves that format (precision=auto, or the format's own precision)."""
-    if precision not in (*LLAMA_CPP_FORMATS.values(), "auto") or LLAMA_CPP_FORMATS.get(file_format(gguf)) != precision:
+    counterpart only where the job serves that format (its own precision, or gguf for the block formats)."""
+    if precision not in ("gguf", LLAMA_CPP_FORMATS.get(file_format(gguf))):  # gguf: each tensor in its own blocks
         raise StudyUnavailable(f"llama.cpp runs {gguf.name} as stored ({file_format(gguf)}), not as {precision}")
     binary = llama_cpp_tool("llama-bench", bin_dir)
     threads = str(torch.get_num_threads())

@@ -53,7 +53,7 @@ METRICS = (
 )
 
 
-@register("serving", "serving_spec")
+@register("serving", "serving_spec", "serving_sizes")
 def run(cfg: DictConfig) -> Rows:
     study, load = cfg.study, OmegaConf.to_container(cfg.load, resolve=True)
     model = OmegaConf.to_container(cfg.model, resolve=True)
@@ -101,6 +101,8 @@ def run(cfg: DictConfig) -> Rows:
                     "requests": len(prompts[0][c]),
                     "prompt_tokens": int(load["prompt_tokens"]),
                     "output_tokens": int(load["output_tokens"]),  # asked per request
+                    "tpot_p95_over_p50": row["p95_tpot_ms"] / row["median_tpot_ms"] if row["median_tpot_ms"] else None,
+                    "file_format": gguf.name.rsplit(".", 2)[-2] if gguf else None,
                     "weights": spec.weights,
                     "note": None,
                 }

@@ -24,12 +24,18 @@ using inferlab::KvPool;
 using inferlab::Projection;
 
 // A projection as Python hands it over: [weight, scales, mins, bias, dense copy], absent parts as empty tensors (int4
-// tiles: read where they are, the layer's own); the copy serves products of dense_from_rows rows and more
+// tiles: read where they are, the layer's own); the copy serves products of dense_from_rows rows and more. Several
+// such lists one after the other: a projection stacked from parts, each its own rows in its own format
 Projection projection_from(const std::vector<at::Tensor>& parts, int64_t int8_from_rows, int64_t dense_from_rows) {
-  TORCH_CHECK(parts.size() == 5, "DecodePlan: a projection is [weight, scales, mins, bias, dense copy]");
+  TORCH_CHECK(!parts.empty() && parts.size() % 5 == 0,
+              "DecodePlan: a projection is [weight, scales, mins, bias, dense copy], once per part");
   auto given = [](const at::Tensor& t) { return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt; };
-  return Projection(parts[0], given(parts[1]), given(parts[2]), given(parts[3]), int8_from_rows, given(parts[4]),
-                    dense_from_rows);
+  std::vector<Projection> stacked;
+  for (size_t i = 0; i < parts.size(); i += 5) {
+    stacked.emplace_back(parts[i], given(parts[i + 1]), given(parts[i + 2]), given(parts[i + 3]), int8_from_rows,
+                         given(parts[i + 4]), dense_from_rows);
+  }
+  return stacked.size() == 1 ? std::move(stacked[0]) : Projection(std::move(stacked));
 }
 
 struct Layer {

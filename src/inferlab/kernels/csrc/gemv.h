@@ -30,6 +30,7 @@
 #include <optional>
 
 #include "amx.h"
+#include "ggml_blocks.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -50,16 +51,7 @@ constexpr int64_t kInt8TilesMinRows = 6;
 // from memory from here on, where the copy's single pass outruns dequantizing (amx.h: Int4DequantTiles)
 constexpr int64_t kInt4CopyFromRows = 56;
 
-// Every weight stream is requested into L2 only, this far ahead: one core alone keeps too few loads in flight, and
-// requests into L1 (at any distance) crowd out the lines the multiply-adds read. With the stream in L2 ahead of
-// them, a step of a few activation rows pays the multiply-adds under the stream rather than on top of it
-constexpr int64_t kL2PrefetchBytes = 32 * 1024;
-inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kL2PrefetchBytes, _MM_HINT_T1); }
 constexpr int64_t kL1PrefetchBytes = 4 * 1024;  // int4 tiles: the lines requested into L1 this far ahead too
-
-inline void prefetch_lines(const void* p, int64_t bytes) {  // every 64-byte line of [p, p + bytes)
-  for (int64_t b = 0; b < bytes; b += 64) prefetch_l2(static_cast<const char*>(p) + b);
-}
 
 // Activations as the integer formats read them: x / max|x| * kInt16Max, rounded (to nearest even, as
 // lrintf); returns the scale that undoes it
@@ -737,6 +729,9 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 //   copy outrun the int4 kernel several times, and the Python model's oneDNN GEMM over it up to ~200 rows); int4
 //   tiles from dense_from_rows (> 0) up to kInt4CopyFromRows rows are dequantized to the copy's numbers in cache
 //   instead (amx.h: Int4DequantTiles). `dense_from_rows` 0 (the gemv op): the copy, where given, at any rows.
+//   Or GGUF blocks as the file stores them: uint8 (N, K / weights per block, bytes per block), whose block size names
+//   the format (ggml_blocks.h), without scales or mins. A projection may also be stacked from parts, each its own
+//   rows in its own format (a fused q/k/v whose v a K-quant file keeps in more bits than q and k).
 struct Projection {
   at::Tensor weight;
   Floats scales, mins, bias;
@@ -745,6 +740,16 @@ struct Projection {
   int64_t int8_from_rows = 0;
   at::Tensor dense;  // undefined: none
   int64_t dense_from_rows = 0;
+  int64_t block_bytes = 0;  // GGUF blocks: the bytes of one (ggml_blocks.h); 0: another format
+  std::vector<Projection> stacked;  // parts, in the order of their rows (then no weight of its own)
+
+  explicit Projection(std::vector<Projection> parts) : N(0), K(parts.empty() ? 0 : parts[0].K), stacked(std::move(parts)) {
+    TORCH_CHECK(!stacked.empty(), "gemv: a stacked projection needs parts");
+    for (const Projection& part : stacked) {
+      TORCH_CHECK(part.K == K && part.stacked.empty(), "gemv: stacked parts must all take K = ", K, " inputs");
+      N += part.N;
+    }
+  }
 
   Projection(const at::Tensor& w, const std::optional<at::Tensor>& scales_, const std::optional<at::Tensor>& mins_,
              const std::optional<at::Tensor>& bias_, int64_t int8_from_rows_ = 0,
@@ -756,11 +761,19 @@ struct Projection {
         int8_from_rows(int8_from_rows_),
         dense(dense_ ? *dense_ : at::Tensor()),
         dense_from_rows(dense_from_rows_) {
-    const bool int4_rows = w.scalar_type() == at::kByte;
+    const bool int4_rows = w.scalar_type() == at::kByte && w.dim() == 2;
     int64_t groups = 0;  // int4: per row
-    TORCH_CHECK(w.dim() == (is_tiles(w) ? 3 : 2) && w.is_contiguous(),
-                "gemv: weight must be a contiguous (N, K) matrix, or int4 tiles (N / lanes, K / 8 + G, lanes)");
-    if (is_tiles(w)) {
+    TORCH_CHECK(w.dim() == (is_tiles(w) || is_blocks(w) ? 3 : 2) && w.is_contiguous(),
+                "gemv: weight must be a contiguous (N, K) matrix, int4 tiles (N / lanes, K / 8 + G, lanes) or GGUF "
+                "blocks (N, blocks, bytes per block)");
+    if (is_blocks(w)) {
+      block_bytes = w.size(2);
+      const int64_t per_block = block_weights(block_bytes);
+      TORCH_CHECK(per_block > 0, "gemv: no GGUF block format is ", block_bytes, " bytes long");
+      TORCH_CHECK(!scales_ && !mins_, "gemv: GGUF blocks hold their own scales");
+      N = w.size(0);
+      K = w.size(1) * per_block;
+    } else if (is_tiles(w)) {
       constexpr int64_t lanes = Int4Format::L::N;
       TORCH_CHECK(w.size(2) == lanes && scales_ && mins_ && scales_->dim() == 3 && scales_->sizes() == mins_->sizes() &&
                       scales_->size(0) == w.size(0) && scales_->size(2) == lanes &&
@@ -791,7 +804,7 @@ struct Projection {
       TORCH_CHECK(scales_ && mins_ && scales_->dim() == 2 && scales_->size(0) == N && scales_->sizes() == mins_->sizes(),
                   "gemv: int4 weights need scales and mins of shape (N, K / group_size)");
       groups = scales_->size(1);
-    } else if (!tiles) {
+    } else if (!tiles && !block_bytes) {
       TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kChar,
                   "gemv: weights must be float32, bfloat16, int8 or int4 (uint8 rows, int32 tiles), got ", w.scalar_type());
       TORCH_CHECK(!scales_ || scales_->numel() == N, "gemv: scales must have N = ", N, " values");
@@ -808,6 +821,14 @@ struct Projection {
   template <typename Y>
   void operator()(const float* x, int64_t M, Y* y) const {
     TORCH_CHECK(M >= 1, "gemv: no activation rows");
+    if (!stacked.empty()) return run_stacked(x, M, y);
+    if (block_bytes) {
+      with_block_format(block_bytes, [&](auto format) {
+        using B = decltype(format);
+        run_rows(BlockFormat<B>(weight.data_ptr<uint8_t>(), K, x, M, int16_codes), M, nullptr, bias.data(), y, N, weight.nbytes() / N);
+      });
+      return;
+    }
 #ifdef INFERLAB_AMX
     const bool bf16_products = dense_from_rows > 0 ? M >= dense_from_rows : dense.defined();
     if (bf16_products && tiles && Int4DequantTiles::covers(N, K, group) &&
@@ -860,7 +881,19 @@ struct Projection {
   void run_int8(L, const float* x, int64_t M, Y* y, int64_t row_bytes) const {
     run_rows(DenseFormat<Int8Step<L>>(weight.data_ptr<int8_t>(), K, x, M), M, scales.data(), bias.data(), y, N, row_bytes);
   }
+  // each part into its own rows of y (M, N), through a buffer of its own columns
+  template <typename Y>
+  void run_stacked(const float* x, int64_t M, Y* y) const {
+    int64_t first = 0;
+    for (const Projection& part : stacked) {
+      std::vector<Y> own(M * part.N);
+      part(x, M, own.data());
+      for (int64_t m = 0; m < M; ++m) std::copy_n(own.data() + m * part.N, part.N, y + m * N + first);
+      first += part.N;
+    }
+  }
   static bool is_tiles(const at::Tensor& w) { return w.scalar_type() == at::kInt; }
+  static bool is_blocks(const at::Tensor& w) { return w.scalar_type() == at::kByte && w.dim() == 3; }
   static Floats optional_floats(const std::optional<at::Tensor>& t) {
     return t && t->numel() ? Floats(t->contiguous(), false) : Floats();
   }

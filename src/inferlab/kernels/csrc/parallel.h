@@ -14,6 +14,16 @@ inline namespace INFERLAB_ISA {
 constexpr int64_t kTileBytes = 64 * 1024;  // weight rows a thread multiplies into every activation row before the next ones
 constexpr int64_t kGrain = 64;             // weight rows per thread at least
 
+// Every weight stream is requested into L2 only, this far ahead: one core alone keeps too few loads in flight, and
+// requests into L1 (at any distance) crowd out the lines the multiply-adds read. With the stream in L2 ahead of
+// them, a step of a few activation rows pays the multiply-adds under the stream rather than on top of it
+constexpr int64_t kL2PrefetchBytes = 32 * 1024;
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kL2PrefetchBytes, _MM_HINT_T1); }
+
+inline void prefetch_lines(const void* p, int64_t bytes) {  // every 64-byte line of [p, p + bytes)
+  for (int64_t b = 0; b < bytes; b += 64) prefetch_l2(static_cast<const char*>(p) + b);
+}
+
 // f(m) for each activation row m < M, rows split across torch's threads beyond `grain` rows: the work around the
 // products (norms, SwiGLU, activation codes) is per row, and a prompt chunk's rows are many (serial, that work is a
 // sizeable share of a product split across threads)

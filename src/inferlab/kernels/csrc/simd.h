@@ -148,6 +148,26 @@ struct Lanes<8> {
   static I and_int(I a, I b) { return _mm256_and_si256(a, b); }
   static I shift_right(I a, int bits) { return _mm256_srli_epi32(a, bits); }
   static I shift_right_signed(I a, int bits) { return _mm256_srai_epi32(a, bits); }
+  // GGUF blocks (ggml_blocks.h), as 2N int16 lanes: 2N bytes widened (unsigned, signed); 16 bytes' low nibbles
+  // (first = 0) or high ones (first = 16); int16 shifts by a count known at run time, products, the same value in every
+  // lane or in each half; lane i 16 where bit i of `bits` is set, else 0
+  static I widen_uint8_16(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I widen_int8_16(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I nibbles16(const uint8_t* p, int first) {
+    return and_int(shift_right16(widen_uint8_16(p), first / 4), _mm256_set1_epi16(0xF));
+  }
+  static I shift_right16(I a, int bits) { return _mm256_srl_epi16(a, _mm_cvtsi32_si128(bits)); }
+  static I shift_left16(I a, int bits) { return _mm256_sll_epi16(a, _mm_cvtsi32_si128(bits)); }
+  static I sub16(I a, I b) { return _mm256_sub_epi16(a, b); }
+  static I mul16(I a, I b) { return _mm256_mullo_epi16(a, b); }
+  static I set1_16(int16_t x) { return _mm256_set1_epi16(x); }
+  static I halves16(int16_t a, int16_t b) { return _mm256_setr_m128i(_mm_set1_epi16(a), _mm_set1_epi16(b)); }
+  static I sixteens(uint32_t bits) {
+    const I lane_bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, -32768);
+    const I set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits)), lane_bits), lane_bits);
+    return _mm256_and_si256(set, _mm256_set1_epi16(16));
+  }
+  static I or_int(I a, I b) { return _mm256_or_si256(a, b); }
   static I sum_quads(const I* a) {  // lane 4 p + j: the sum of a[j]'s 4 lanes in its 128-bit lane p (j < 4)
     const I t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[0], a[1]), _mm256_unpackhi_epi32(a[0], a[1]));
     const I t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2], a[3]), _mm256_unpackhi_epi32(a[2], a[3]));
@@ -250,6 +270,23 @@ struct Lanes<16> {
   static I and_int(I a, I b) { return _mm512_and_si512(a, b); }
   static I shift_right(I a, int bits) { return _mm512_srli_epi32(a, bits); }
   static I shift_right_signed(I a, int bits) { return _mm512_srai_epi32(a, bits); }
+  static I widen_uint8_16(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static I widen_int8_16(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static I nibbles16(const uint8_t* p, int) {  // both: 32 lanes, the low nibbles of 16 bytes, then their high ones
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(0xF)), high = _mm256_srli_epi16(bytes, 4);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+  }
+  static I shift_right16(I a, int bits) { return _mm512_srl_epi16(a, _mm_cvtsi32_si128(bits)); }
+  static I shift_left16(I a, int bits) { return _mm512_sll_epi16(a, _mm_cvtsi32_si128(bits)); }
+  static I sub16(I a, I b) { return _mm512_sub_epi16(a, b); }
+  static I mul16(I a, I b) { return _mm512_mullo_epi16(a, b); }
+  static I set1_16(int16_t x) { return _mm512_set1_epi16(x); }
+  static I halves16(int16_t a, int16_t b) {
+    return _mm512_inserti64x4(_mm512_set1_epi16(a), _mm256_set1_epi16(b), 1);
+  }
+  static I sixteens(uint32_t bits) { return _mm512_maskz_mov_epi16(static_cast<__mmask32>(bits), _mm512_set1_epi16(16)); }
+  static I or_int(I a, I b) { return _mm512_or_si512(a, b); }
   static I sum_quads(const I* a) {
     const I t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
     const I t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));

@@ -1,0 +1,125 @@
+"""A Linear whose weights are a GGUF file's blocks as it stores them (K-quants and the 32-weight block formats), each
+part of a fused projection in its own format, so precision=gguf serves a Q4_K_M file's mixed tensors as they are.
+
+The blocks are read by model/gguf_blocks.py's layouts; rows are fused and un-permuted exactly as the loader does with
+the dequantized weights (a block holds part of one row, so moving whole rows moves whole blocks).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from inferlab.errors import QuantizationError
+from inferlab.kernels.gemv import gemv, gemv_fits, prepared_input
+from inferlab.kernels.layer import KernelWeights
+from inferlab.model.config import ModelConfig
+from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, dequantize_blocks
+from inferlab.model.gguf_loader import evict, linear_sources, open_gguf, unpermute_qk
+from inferlab.model.transformer import RMSNorm
+
+Part = tuple[str, Tensor]  # a block format's name and its blocks uint8 (rows, blocks per row, bytes per block)
+
+
+class GGUFBlockLinear(nn.Module):
+    """Drop-in for nn.Linear over GGUF blocks: `parts` stacked along the output rows, each in its own block format.
+
+    The kernels (kernels/csrc/ggml_blocks.h) read the blocks where they are, at any number of activation rows; the
+    portable path (`use_kernel=False`) dequantizes them in torch (model/gguf_blocks.py, gguf's own values) and runs
+    F.linear. A KernelLayer (kernels/layer.py)."""
+
+    fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_glu
+
+    def __init__(self, linear: nn.Linear, parts: list[Part], use_kernel: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kinds = tuple(kind for kind, _ in parts)
+        for i, (kind, blocks) in enumerate(parts):
+            weights, size = BLOCK_LAYOUTS[kind]
+            if (
+                blocks.dtype != torch.uint8
+                or blocks.dim() != 3
+                or blocks.shape[1:] != (linear.in_features // weights, size)
+            ):
+                raise QuantizationError(
+                    f"{kind} blocks of shape {tuple(blocks.shape)} do not make {linear.in_features} inputs"
+                )
+            self.register_buffer(f"blocks_{i}", blocks.to(linear.weight.device))
+        if sum(blocks.shape[0] for _, blocks in parts) != self.out_features:
+            raise QuantizationError(f"the GGUF parts' rows do not add up to {self.out_features}")
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.use_kernel = use_kernel
+
+    def parts(self) -> list[Part]:
+        return [(kind, getattr(self, f"blocks_{i}")) for i, kind in enumerate(self.kinds)]
+
+    def dequantize(self) -> Tensor:
+        """The fp32 weights (N, K) the reference path multiplies."""
+        return torch.cat([dequantize_blocks(blocks, kind) for kind, blocks in self.parts()])
+
+    def kernel_weights(self) -> KernelWeights | None:
+        if not self.use_kernel:
+            return None
+        biases = self.bias.split([b.shape[0] for _, b in self.parts()]) if self.bias is not None else None
+        parts = [
+            KernelWeights("gguf", blocks, bias=None if biases is None else biases[i])
+            for i, (_, blocks) in enumerate(self.parts())
+        ]
+        first = parts[0]
+        return KernelWeights(first.format, first.weight, bias=first.bias, stacked=tuple(parts[1:]))
+
+    def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
+        weights = self.kernel_weights() if gemv_fits(x, self.in_features * (1 + gated), None) else None
+        if weights is None:
+            return F.linear(prepared_input(x, norm, gated), self.dequantize().to(x.dtype), self.bias)
+        if not weights.stacked:
+            return gemv(x, weights.weight, None, weights.bias, norm, gated)
+        x = prepared_input(x, norm, gated)  # once for every part
+        return torch.cat([gemv(x, p.weight, None, p.bias, None, False) for p in weights.every_part()], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, formats={'+'.join(self.kinds)}"
+
+
+def read_block_linears(path: Path, config: ModelConfig) -> dict[str, Callable[[], list[Part]]]:
+    """Per decoder Linear (module names as in Transformer) whose parts are all in block formats the kernels read: a
+    reader of its parts, called when the layer is built, so one layer's blocks are copied out of the file at a time."""
+    reader = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    arch = reader.fields["general.architecture"]
+
+    def kind(name: str) -> str:
+        return tensors[name + ".weight"].tensor_type.name
+
+    def get(name: str, n_heads: int | None) -> Part:
+        tensor = tensors[name + ".weight"]
+        weights, size = BLOCK_LAYOUTS[kind(name)]
+        rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # (rows, bytes per row): a copy, the file goes
+        evict(reader, tensor)
+        if n_heads:
+            rows = unpermute_qk(rows, n_heads)
+        return kind(name), rows.reshape(rows.shape[0], -1, size)
+
+    found: dict[str, Callable[[], list[Part]]] = {}
+    for i in range(config.n_layers):
+        for ours, sources in linear_sources(config, arch, set(tensors), i).items():
+            if all(kind(name) in BLOCK_LAYOUTS for name, _ in sources):
+                found[f"layers.{i}.{ours}"] = functools.partial(lambda s: _merged([get(*src) for src in s]), sources)
+    return found
+
+
+def _merged(parts: list[Part]) -> list[Part]:
+    """Neighbouring parts of one format as one (q and k of one format are a single stream for the kernel)."""
+    out: list[Part] = []
+    for kind, blocks in parts:
+        if out and out[-1][0] == kind:
+            out[-1] = (kind, torch.cat([out[-1][1], blocks]))
+        else:
+            out.append((kind, blocks))
+    return out

@@ -1,0 +1,218 @@
+"""GGUF's block formats as the file stores them (K-quants Q4_K, Q5_K, Q6_K; Q4_0, Q5_0, Q5_1, Q8_0): our torch
+dequantizers give gguf's own `dequantize` values to the bit; the CPU kernels' products on random blocks equal the
+dequantized reference within the rounding of their int16 activation codes (half a code step per activation) and float
+rounding, on every kernel build this CPU runs, whatever rows come with a row; our
+K-quant quantizer writes blocks gguf reads back; a fused projection whose parts keep different formats, and a model
+whose file mixes them (precision=auto -> gguf), decode through the fused C++ step to the portable path's greedy
+tokens."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import byte_level_backend
+from gguf_writer import byte_level_vocab, write_gguf
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from inferlab.api import load_engine
+from inferlab.errors import QuantizationError
+from inferlab.kernels.build import cpu_gemv_available, kernel_ops
+from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, dequantize_blocks
+from inferlab.model.transformer import RMSNorm
+from inferlab.quant.gguf_linear import GGUFBlockLinear
+from inferlab.quant.kquants import quantize_blocks
+from inferlab.quant.requantize_gguf import LINEAR, requantize_gguf
+
+FORMATS = list(BLOCK_LAYOUTS)
+FACTOR_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,)}
+needs_kernels = pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here")
+
+
+def random_blocks(kind: str, rows: int, blocks: int, seed: int = 0) -> torch.Tensor:
+    """uint8 (rows, blocks, bytes): every byte random (codes, sub-block scales and mins, fifth bits), the fp16
+    factors random finite values."""
+    rng = np.random.default_rng(seed)
+    size = BLOCK_LAYOUTS[kind][1]
+    b = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    for at in FACTOR_AT[kind]:
+        factors = rng.uniform(-0.02, 0.02, (rows, blocks)).astype(np.float16)
+        b[..., at : at + 2] = factors.view(np.uint8).reshape(rows, blocks, 2)
+    return torch.from_numpy(b)
+
+
+def gguf_values(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    rows = blocks.reshape(blocks.shape[0], -1).numpy()
+    return torch.from_numpy(gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[kind]))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_torch_dequantize_equals_gguf(kind):
+    blocks = random_blocks(kind, 6, 3)
+    assert torch.equal(dequantize_blocks(blocks, kind), gguf_values(blocks, kind))
+
+
+# mean |error| / mean |w| of our quantizer on Gaussian weights, per format: about what its bits allow
+QUANTIZER_ERROR = {"Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.025, "Q4_0": 0.1, "Q5_0": 0.05, "Q5_1": 0.05, "Q8_0": 0.01}
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_quantizer_writes_blocks_gguf_reads(kind):
+    w = torch.randn(24, 512, generator=torch.Generator().manual_seed(1)) * 0.05
+    blocks = quantize_blocks(w, kind)
+    assert blocks.shape == (24, 512 // BLOCK_LAYOUTS[kind][0], BLOCK_LAYOUTS[kind][1])
+    values = gguf_values(blocks, kind)
+    assert torch.equal(dequantize_blocks(blocks, kind), values)
+    assert (values - w).abs().mean() / w.abs().mean() < QUANTIZER_ERROR[kind]
+
+
+def gemv(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    return kernel_ops().gemv(x, blocks, None, None, None, 0.0, None, False, False, 0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", FORMATS)
+def test_kernel_products_equal_the_dequantized_reference(isa, kind, one_thread):
+    rows, weights = 37, 1024  # rows: not a multiple of any build's lanes or of a dot call's rows
+    blocks = random_blocks(kind, rows, weights // BLOCK_LAYOUTS[kind][0], seed=2)
+    w = gguf_values(blocks, kind).double()
+    x = torch.randn(40, weights, generator=torch.Generator().manual_seed(3))
+    single = gemv(x[:1], blocks)
+    for m in (1, 3, 8, 40):  # a decode step, a batch, a prompt chunk (the tiled path)
+        y = gemv(x[:m], blocks)
+        xm = x[:m].double()
+        exact = xm @ w.T
+        # each activation is an int16 code of its row's max|x| / 16383 (within half a step), times fp32 sums whose
+        # rounding is relative to the sum of |products|
+        codes = 0.5 * xm.abs().amax(dim=1, keepdim=True) / 16383 * w.abs().sum(dim=1)
+        floats = 2e-6 * (xm.abs() @ w.abs().T)
+        assert ((y.double() - exact).abs() <= codes + floats).all(), (kind, m)
+        assert torch.equal(y[:1], single)  # a row's sum does not depend on the rows beside it
+
+
+@needs_kernels
+def test_stacked_parts_each_in_its_format(isa, one_thread):
+    """q/k in Q4_K and v in Q6_K (a K-quant file's fused projection), with a bias: the kernel path (decode rows and a
+    prompt chunk, with the RMSNorm fused in) equals the portable path's dequantize-then-linear within the rounding of
+    the int16 activation codes (half a step per activation) and of fp32 sums."""
+    torch.manual_seed(6)
+    linear = torch.nn.Linear(512, 96, bias=True)
+    parts = [("Q4_K", random_blocks("Q4_K", 64, 2, seed=4)), ("Q6_K", random_blocks("Q6_K", 32, 2, seed=5))]
+    layer = GGUFBlockLinear(linear, parts)
+    reference = GGUFBlockLinear(linear, parts, use_kernel=False)
+    assert layer.kernel_weights().stacked and reference.kernel_weights() is None
+    norm = RMSNorm(512, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(512) + 0.5)
+    w = reference.dequantize().double()
+    for m in (1, 5, 33):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        with torch.no_grad():
+            got, expected, normed = layer(x, norm), reference(x, norm), norm(x).double()
+        codes = 0.5 * normed.abs().amax(dim=1, keepdim=True) / 16383 * w.abs().sum(dim=1)
+        floats = 2e-6 * (normed.abs() @ w.abs().T)
+        assert ((got - expected).double().abs() <= codes + floats).all()
+
+
+def tiny_llama(hidden: int) -> LlamaForCausalLM:
+    vocab = byte_level_backend().get_vocab_size(with_added_tokens=True)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module", params=[("Q4_K_M", 256), ("Q4_K_M", 288), ("Q5_K_M", 256), ("Q6_K", 256)])
+def kquant_file(request, tmp_path_factory):
+    """A tiny Llama written as fp32 GGUF, then requantized to the mix: at width 256 K-quants throughout (layer 2's
+    attn_v and ffn_down in Q6_K under the *_K_M mixes, so its q/k/v is stacked Q4_K + Q6_K), at 288 the 32-weight
+    fallbacks (Q5_0, Q8_0) beside ffn_down's K-quants."""
+    mix, hidden = request.param
+    folder = tmp_path_factory.mktemp(f"{mix}_{hidden}")
+    src = write_gguf(tiny_llama(hidden), folder / "f32.gguf", byte_level_vocab(byte_level_backend()))
+    return requantize_gguf(src, folder / f"{mix}.gguf", mix)
+
+
+def engine_on(path, kernels: str, isa: str = "auto", precision: str = "gguf"):
+    overrides = {"model.path": str(path), "device.kernels": kernels, "device.isa": isa, "cache.max_seq_len": 128}
+    if precision == "gguf":
+        overrides["precision.dtype"] = "float32"  # the fused step's fp32 activations on both sides
+    return load_engine(model="local", precision=precision, cache="contiguous", device="cpu", **overrides)
+
+
+def test_auto_serves_a_kquant_file_in_its_own_formats(kquant_file):
+    engine = engine_on(kquant_file, "portable", precision="auto")
+    assert engine.config.precision.startswith("gguf (auto: the GGUF's")
+    kinds = {
+        kind
+        for layer in engine.model.layers
+        for m in layer.modules()
+        if isinstance(m, GGUFBlockLinear)
+        for kind in m.kinds
+    }
+    tensor_types = {t.tensor_type.name for t in gguf.GGUFReader(str(kquant_file)).tensors if LINEAR.fullmatch(t.name)}
+    assert kinds == tensor_types
+    engine.close()
+
+
+@needs_kernels
+def test_fused_step_matches_the_portable_path(kquant_file, isa, one_thread):
+    portable = engine_on(kquant_file, "portable")
+    fast = engine_on(kquant_file, "fast", isa)
+    assert portable.fused is None and fast.fused is not None and fast.fused.isa == isa
+    tokens = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        expected = portable.model(torch.tensor([tokens]), torch.arange(len(tokens)).unsqueeze(0))[0]
+    logits, seq = fast.prefill(tokens[:8], reserve_tokens=16)
+    got = [logits.float()]
+    for token in tokens[8:-1]:  # teacher-forced decode steps through the fused step
+        got.append(fast.decode_step(token, seq).float())
+    seq.release()
+    expected = expected[7:]
+    for e, g in zip(expected, got):
+        # every product meets int16 activation codes (and the int8 head), where the portable path multiplies fp32
+        assert (e - g).abs().max() <= 1e-3 * e.abs().max()
+        assert int(e.argmax()) == int(g.argmax())
+    prompt = tokens[:8]
+    assert (
+        fast.generate(prompt, max_new_tokens=8, temperature=0).token_ids
+        == portable.generate(prompt, max_new_tokens=8, temperature=0).token_ids
+    )
+    fast.close()
+    portable.close()
+
+
+# a tiny random model's logits against the file's own: int4 rounds 4- to 6-bit values to 4 bits again (measured down to
+# 0.976), int8 keeps them nearly as they are
+REQUANTIZED_MIN_COSINE = {"int8": 0.99, "int4": 0.95}
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_int_precisions_requantize_a_kquant_file(kquant_file, precision, one_thread):
+    """precision=int8|int4 on a K-quant file dequantizes its blocks and quantizes them again: the model it serves is
+    the file's up to that second rounding."""
+    engine = engine_on(kquant_file, "fast", precision=precision)
+    reference = engine_on(kquant_file, "portable")
+    assert engine.config.precision == precision
+    assert not any(isinstance(m, GGUFBlockLinear) for m in engine.model.modules())
+    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(16).unsqueeze(0)
+    with torch.no_grad():
+        got = engine.model(tokens, positions)[0].float()
+        expected = reference.model(tokens, positions)[0].float()
+    assert torch.nn.functional.cosine_similarity(got, expected, dim=-1).min() >= REQUANTIZED_MIN_COSINE[precision]
+    engine.close()
+    reference.close()
+
+
+def test_self_speculation_refuses_a_kquant_target(kquant_file):
+    """An int4 draft of a K-quant model would read about as many bytes a step as the model itself."""
+    with pytest.raises(QuantizationError, match="no fewer bytes than this gguf target"):
+        load_engine(model="local", precision="auto", spec="self", device="cpu", **{"model.path": str(kquant_file)})
