@@ -388,3 +388,24 @@ def test_speculation_alone_refuses_a_constraint_by_name(tiny_tokenizer):
     params = replace(engine.sampling_params(max_new_tokens=4), constraint=Constraint("regex", "a+", "guided_regex"))
     with pytest.raises(InvalidRequestError, match="guided_regex: constrained output with speculative decoding"):
         list(engine.iter_events(engine.encode_prompt("hi"), params))
+
+
+@pytest.mark.slow
+def test_real_model_spec_self_keeps_a_schemas_greedy_tokens():
+    """SmolLM2 with spec=self (its int4 draft) in the engine loop: JSON-schema requests give the tokens of spec off,
+    and drafts were accepted through the grammar."""
+    from inferlab.api import load_engine
+
+    engine = load_engine(device="cpu", precision="fp32", spec="self", **{"spec.adaptive": False})
+    speculation = engine.speculation
+    schema = SCHEMAS["nested object"]
+    ids = engine.encode_prompt("", messages=ask("Answer in JSON: a person who lives in Paris."))
+    params = engine.sampling_params(max_new_tokens=64, constraint=Constraint("json", schema, "response_format"))
+    engine.speculation = None
+    plain = engine._collect(engine.iter_events(ids, params))
+    engine.speculation = speculation
+    got = engine._collect(engine.iter_events(ids, params))
+    engine.close()
+    assert got.token_ids == plain.token_ids and got.finish_reason == plain.finish_reason == "stop"
+    jsonschema.validate(json.loads(got.text), schema)
+    assert engine.stats()["spec_accepted"] > 0

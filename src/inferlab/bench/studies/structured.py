@@ -1,9 +1,12 @@
 """structured: JSON-schema-constrained chat requests against the same requests free, at each concurrency level.
 
-One engine serves both kinds; in each round every level runs a closed loop of free requests and one of constrained
-ones (their order alternating between rounds, so a shared machine's drift falls on both), and a constrained run's
-median TPOT is divided by the free run's of the same round: the mask's cost per decode step, as a ratio measured
-side by side. Every constrained output is validated against its schema.
+One engine serves both kinds. Each request's free twin generates as many tokens as the constrained one did in a
+pass before the timed rounds (ignore_eos, max_tokens = that length): both runs then feed the same prompts at the
+same points, so the prompt steps that fall between a run's decode steps are alike and the difference is the
+grammar's. In each round every level runs a closed loop of free requests and one of constrained ones (their order
+alternating between rounds, so a shared machine's drift falls on both), and a constrained run's median TPOT is
+divided by the free run's of the same round: the mask's cost per decode step, as a ratio measured side by side.
+Every output is validated against its schema.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from inferlab.bench.studies.common import require
 from inferlab.engine.engine import GenerationRequest, InferenceEngine
 from inferlab.engine.grammar import Constraint
 from inferlab.engine.request import Timings
+from inferlab.engine.sampling import SamplingParams
 
 FREE, JSON_SCHEMA = "free", "json_schema"
 
@@ -49,13 +53,16 @@ def run(cfg: DictConfig) -> Rows:
     new_tokens = min(int(study.new_tokens), int(m.new_tokens))
     runs: dict[tuple[int, str], list[list[Outcome]]] = defaultdict(list)
     try:
+        count = max(requests_per_level(cfg), 2 * max(int(level) for level in study.levels))
+        jobs = [Job(*prompts[i % len(prompts)], new_tokens) for i in range(count)]
+        lengths = [o.timings.completion_tokens for o in asyncio.run(closed_loop(engine, jobs, 1, constrain=True))]
+        for job, length in zip(jobs, lengths):
+            job.free_tokens = max(length, 2)  # a TPOT needs two tokens
         for round_ in progress(range(int(m.warmup) + int(m.repeats)), "structured rounds"):
             for level in study.levels:
-                count = max(requests_per_level(cfg), 2 * int(level))
-                modes = [FREE, JSON_SCHEMA] if round_ % 2 == 0 else [JSON_SCHEMA, FREE]
-                for mode in modes:
-                    jobs = [prompts[i % len(prompts)] for i in range(count)]
-                    outcomes = asyncio.run(closed_loop(engine, jobs, int(level), new_tokens, mode == JSON_SCHEMA))
+                level_jobs = jobs[: max(requests_per_level(cfg), 2 * int(level))]
+                for mode in [FREE, JSON_SCHEMA] if round_ % 2 == 0 else [JSON_SCHEMA, FREE]:
+                    outcomes = asyncio.run(closed_loop(engine, level_jobs, int(level), mode == JSON_SCHEMA))
                     if round_ >= int(m.warmup):
                         runs[int(level), mode].append(outcomes)
     finally:
@@ -86,26 +93,36 @@ def requests_per_level(cfg: DictConfig) -> int:
     return min(per_level, int(cfg.load.num_requests)) if cfg.measure.size == "smoke" else per_level
 
 
-async def closed_loop(
-    engine: InferenceEngine, jobs: list[tuple[list[int], dict[str, Any]]], level: int, new_tokens: int, constrain: bool
-) -> list[Outcome]:
-    """`jobs` (prompt ids, schema) through engine.submit, `level` in flight until all are done; greedy."""
-    pending = list(reversed(jobs))
-    outcomes: list[Outcome] = []
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    schema: dict[str, Any]
+    new_tokens: int  # the constrained request's max_tokens
+    free_tokens: int = 0  # its free twin's: what the constrained one generated (ignore_eos)
+
+    def params(self, engine: InferenceEngine, constrain: bool) -> SamplingParams:
+        if constrain:
+            constraint = Constraint("json", self.schema, "response_format")
+            return engine.sampling_params(max_new_tokens=self.new_tokens, temperature=0.0, constraint=constraint)
+        return engine.sampling_params(max_new_tokens=self.free_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def closed_loop(engine: InferenceEngine, jobs: list[Job], level: int, constrain: bool) -> list[Outcome]:
+    """`jobs` through engine.submit, `level` in flight until all are done, in job order."""
+    pending = list(reversed(range(len(jobs))))
+    outcomes: list[Outcome | None] = [None] * len(jobs)
 
     async def worker() -> None:
         while pending:
-            ids, schema = pending.pop()
-            constraint = Constraint("json", schema, "response_format") if constrain else None
-            params = engine.sampling_params(max_new_tokens=new_tokens, temperature=0.0, constraint=constraint)
-            parts = []
-            async for event in engine.submit(GenerationRequest(ids, params)):
+            index = pending.pop()
+            job, parts = jobs[index], []
+            async for event in engine.submit(GenerationRequest(job.prompt_ids, job.params(engine, constrain))):
                 parts.append(event.text)
                 if event.finish_reason is not None:
-                    outcomes.append(Outcome("".join(parts), event.finish_reason, event.timings, schema))
+                    outcomes[index] = Outcome("".join(parts), event.finish_reason, event.timings, job.schema)
 
     await asyncio.gather(*(worker() for _ in range(level)))
-    return outcomes
+    return [o for o in outcomes if o is not None]
 
 
 def median_tpot(outcomes: list[Outcome]) -> float:
