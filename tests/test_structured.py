@@ -21,7 +21,7 @@ import pytest
 from conftest import running_server, tiny_engine
 from test_server import make_settings
 
-from inferlab.engine.grammar import Constraint
+from inferlab.engine.grammar import Constraint, GrammarCompiler, fill_masks
 from inferlab.engine.spec.proposers import NgramDrafter
 from inferlab.engine.spec.session import Speculation
 from inferlab.errors import InvalidRequestError
@@ -409,3 +409,27 @@ def test_real_model_spec_self_keeps_a_schemas_greedy_tokens():
     assert got.token_ids == plain.token_ids and got.finish_reason == plain.finish_reason == "stop"
     jsonschema.validate(json.loads(got.text), schema)
     assert engine.stats()["spec_accepted"] > 0
+
+
+def test_masks_filled_together_are_each_grammars_own(tiny_tokenizer):
+    """fill_masks (one parallel call for a step's constrained requests) gives every grammar the mask it computes
+    alone, at every position of a JSON document and a regex match."""
+    compiler = GrammarCompiler(tiny_tokenizer, 300)
+    constraints = [
+        Constraint("json", SCHEMAS["numbers"], "guided_json"),
+        Constraint("regex", "[a-c]+z", "guided_regex"),
+    ]
+    texts = ['{"age": 41, "height_m": 1.8, "score": -3}', "abcabz"]
+    together = [compiler.start(c) for c in constraints]
+    alone = [compiler.start(c) for c in constraints]
+    streams = [tiny_tokenizer.encode(t) for t in texts]
+    for step in range(max(len(s) for s in streams)):
+        live = [i for i, s in enumerate(streams) if step < len(s)]
+        fill_masks([together[i] for i in live])
+        assert all(together[i].filled for i in live) or len(live) < 2
+        for i in live:
+            assert (together[i].forbidden() == alone[i].forbidden()).all()
+            assert not together[i].forbidden()[streams[i][step]]
+            together[i].advance(streams[i][step])
+            alone[i].advance(streams[i][step])
+    assert all(g.complete for g in together) or all(g.matcher.is_accepting() for g in together)

@@ -99,11 +99,14 @@ class TokenGrammar:
         self.matcher, self.vocab_size = matcher, vocab_size
         self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # (1, ceil(vocab / 32)) int32
         self.masked = torch.empty(vocab_size)  # the last masked row, reused: a fresh 200 kB array each token costs more
+        self.filled = False  # `bitmask` already holds the next token's mask (fill_masks)
 
     def forbidden(self) -> np.ndarray:
         """(vocab,) bool: the tokens the grammar does not allow next (all but EOS once it is complete); bit i of
         the mask's word w is token 32 * w + i."""
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask)
+        if not self.filled:
+            llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask)
+        self.filled = False
         bits = np.unpackbits((~self.bitmask.numpy()).view(np.uint8), bitorder="little")
         return bits.view(np.bool_)[: self.vocab_size]
 
@@ -141,6 +144,25 @@ class TokenGrammar:
         if consumed:
             self.matcher.rollback(consumed)
         return masked
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def fill_masks(grammars: list[TokenGrammar]) -> None:
+    """The next-token masks of a step's constrained requests at once, on llguidance's own threads (each request's
+    `mask` then reads its own): the engine loop would otherwise compute them one after another between the step's
+    forward and its tokens."""
+    global _executor
+    if len(grammars) < 2:
+        return
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    bitmask = llguidance.torch.allocate_token_bitmask(len(grammars), grammars[0].vocab_size)
+    llguidance.torch.fill_next_token_bitmask_par(_executor, [(g.matcher, i) for i, g in enumerate(grammars)], bitmask)
+    for grammar, row in zip(grammars, bitmask):
+        grammar.bitmask[0] = row
+        grammar.filled = True
 
 
 def _first_line(error: object) -> str:
