@@ -236,6 +236,19 @@ def test_a_grammar_longer_than_max_tokens_ends_with_length(client):
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object", "minProperties": "x"}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "minProperties",
+        ),
+        (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice",
             "nope",

@@ -43,7 +43,8 @@ class ToolUse:
     parallel: bool = True  # required: one call or several
 
     def constraint(self) -> Constraint | None:
-        """What tool_choice enforces: required, a call of any of the tools; named, a call of that one."""
+        """What tool_choice enforces: required, a call of any of the tools; named, a call of that one (an invalid
+        parameters schema is the `tools` field's fault)."""
         if self.choice == "auto":
             return None
         tools = self.tools
@@ -64,10 +65,10 @@ class ToolUse:
         ]
         schema = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls}, separators=(",", ":"))
         if self.family == LLAMA3:
-            return Constraint("grammar", f"start: %json {schema}", "tool_choice")
+            return Constraint("grammar", f"start: %json {schema}", "tools")
         call = f'"<tool_call>\\n" %json {schema} "\\n</tool_call>"'
         repeat = ' ("\\n" call)*' if self.parallel and not isinstance(self.choice, NamedToolChoice) else ""
-        return Constraint("grammar", f"start: call{repeat}\ncall: {call}", "tool_choice")
+        return Constraint("grammar", f"start: call{repeat}\ncall: {call}", "tools")
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The reply's text outside its calls (None if nothing is left) and its calls; a reply whose calls do not
