@@ -230,7 +230,17 @@ class Chunks:
             yield from self._opening(index, event)
         if self.tools is not None:
             yield from self._tool_deltas(index, event)
-        elif self.chat:  # the closing chunk's delta is empty unless it flushes held-back text
+        else:
+            yield self._chunk(index, {**self._delta(index, event), "finish_reason": event.finish_reason})
+        if event.finish_reason is not None:
+            self.closed[index] = event.timings
+            if self.include_usage and len(self.closed) == len(self.echoes):
+                timings = [self.closed[i] for i in sorted(self.closed)]
+                yield {**self._head(), "choices": [], "usage": self.usage(timings).model_dump()}
+
+    def _delta(self, index: int, event: StreamEvent) -> dict[str, Any]:
+        """An event's part of its chunk: chat's delta or completions' text, and its logprobs when asked."""
+        if self.chat:  # the closing chunk's delta is empty unless it flushes held-back text
             body: dict[str, Any] = {
                 "delta": {"content": event.text} if event.text or event.finish_reason is None else {}
             }
@@ -242,13 +252,7 @@ class Chunks:
                 block = LogprobsBlock(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
                 self.offsets[index] = self.extend_block(block, [event.logprob], self.offsets.get(index, 0))
                 body["logprobs"] = block.model_dump()
-        if self.tools is None:
-            yield self._chunk(index, {**body, "finish_reason": event.finish_reason})
-        if event.finish_reason is not None:
-            self.closed[index] = event.timings
-            if self.include_usage and len(self.closed) == len(self.echoes):
-                timings = [self.closed[i] for i in sorted(self.closed)]
-                yield {**self._head(), "choices": [], "usage": self.usage(timings).model_dump()}
+        return body
 
     def _tool_deltas(self, index: int, event: StreamEvent) -> Iterable[dict[str, Any]]:
         """A choice that may call tools: its text whole when it closes, as content or as one tool-call delta per
