@@ -446,3 +446,41 @@ def test_masks_filled_together_are_each_grammars_own(tiny_tokenizer):
             together[i].advance(streams[i][step])
             alone[i].advance(streams[i][step])
     assert all(g.complete for g in together) or all(g.matcher.is_accepting() for g in together)
+
+
+def test_tools_and_tool_messages_reach_the_chat_template(tiny_tokenizer):
+    """A template that reads `tools` (and tool messages' ids) gets them from the chat route: the request's prompt is
+    the one the template renders with them."""
+    template = (
+        "{% for t in tools or [] %}<tool>{{ t.function.name }}:{{ t.function.parameters | tojson }}</tool>{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% for c in m.tool_calls or [] %}"
+        "<call>{{ c.function.arguments | tojson }}</call>{% endfor %}{{ m.tool_call_id or '' }}\n{% endfor %}<assistant>"
+    )
+    tokenizer = replace(tiny_tokenizer, chat_template=template)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    engine = tiny_engine(tokenizer, "paged", max_new_tokens=4)
+    messages = [
+        *ask("Weather in Paris?"),
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    rendered = tokenizer.render_chat(
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+        ],
+        tools=[tool],
+    )
+    assert "<tool>get_weather:" in rendered and '<call>{"city": "Paris"}</call>' in rendered and "sunnyc1" in rendered
+    with running_server(create_app(engine, make_settings(max_prompt_chars=100000), "tiny")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        usage = client.chat.completions.create(model="tiny", messages=messages, tools=[tool], max_tokens=2).usage
+    assert usage.prompt_tokens == len(tokenizer.encode(rendered))
+    engine.close()
