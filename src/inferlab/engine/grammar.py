@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.torch
 import numpy as np
 import torch
 from torch import Tensor
@@ -97,7 +96,7 @@ class TokenGrammar:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self.matcher, self.vocab_size = matcher, vocab_size
-        self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # (1, ceil(vocab / 32)) int32
+        self.bitmask = mask_words(1, vocab_size)
         self.masked = torch.empty(vocab_size)  # the last masked row, reused: a fresh 200 kB array each token costs more
         self.filled = False  # `bitmask` already holds the next token's mask (fill_masks)
 
@@ -105,7 +104,7 @@ class TokenGrammar:
         """(vocab,) bool: the tokens the grammar does not allow next (all but EOS once it is complete); bit i of
         the mask's word w is token 32 * w + i."""
         if not self.filled:
-            llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask)
+            self.matcher.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.nbytes)
         self.filled = False
         bits = np.unpackbits((~self.bitmask.numpy()).view(np.uint8), bitorder="little")
         return bits.view(np.bool_)[: self.vocab_size]
@@ -158,11 +157,19 @@ def fill_masks(grammars: list[TokenGrammar]) -> None:
         return
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    bitmask = llguidance.torch.allocate_token_bitmask(len(grammars), grammars[0].vocab_size)
-    llguidance.torch.fill_next_token_bitmask_par(_executor, [(g.matcher, i) for i, g in enumerate(grammars)], bitmask)
+    bitmask = mask_words(len(grammars), grammars[0].vocab_size)
+    matchers = [(g.matcher, i) for i, g in enumerate(grammars)]
+    _executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), bitmask[0].nbytes, len(grammars))
     for grammar, row in zip(grammars, bitmask):
         grammar.bitmask[0] = row
         grammar.filled = True
+
+
+def mask_words(rows: int, vocab_size: int) -> Tensor:
+    """(rows, ceil(vocab / 32)) int32 words for llguidance to write token masks into. (Its own torch helpers are
+    not imported: their module compiles a kernel with torch.compile on import, which loads the compiler stack into
+    every process that imports the engine.)"""
+    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
 
 def _first_line(error: object) -> str:

@@ -105,12 +105,10 @@ def tool_use(body: ChatCompletionRequest, chat_template: str | None) -> ToolUse 
     """The request's tool use, or None (no tools, or tool_choice none); a choice that names no tool is refused."""
     choice = body.tool_choice or ("auto" if body.tools else "none")
     if not body.tools:
-        if choice != "none":
-            raise InvalidRequestError("tool_choice: needs tools", param="tool_choice")
+        if choice not in ("none", "auto"):
+            raise InvalidRequestError("tool_choice: required or a named function needs tools", param="tool_choice")
         return None
     names = [t.function.name for t in body.tools]
-    if len(set(names)) != len(names):
-        raise InvalidRequestError("tools: two tools share a name", param="tools")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
         raise InvalidRequestError(f"tool_choice: no tool is named {choice.function.name!r}", param="tool_choice")
     if choice == "none":
