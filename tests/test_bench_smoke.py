@@ -391,3 +391,14 @@ def test_contention_compares_the_defaults_with_the_fastest_fixed_thread_count():
 def result_dir(tmp_path: Path) -> Path:
     (path,) = tmp_path.rglob("result.json")
     return path.parent
+
+
+@pytest.mark.slow
+def test_structured_runs_free_and_json_schema_requests_at_each_level_in_one_job(tmp_path: Path):
+    result = one_ok_result(tmp_path, "study=structured", "size=smoke")
+    rows = {(row["concurrency"], row["mode"]): row for row in result["rows"]}
+    assert set(rows) == {(c, m) for c in (1, 8) for m in ("free", "json_schema")}
+    for (level, mode), row in rows.items():
+        assert row["completed"] == max(4, 2 * level) and row["median_tpot_ms"] > 0
+        assert 0 <= row["valid_pct"] <= 100 and row["length_pct"] == 100  # 4 new tokens: no JSON finishes
+        assert row["tpot_vs_free"] == 1.0 if mode == "free" else row["tpot_vs_free"] > 0

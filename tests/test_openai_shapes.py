@@ -240,8 +240,8 @@ def test_generated_logprobs_on_both_routes(engine, client):
 @pytest.mark.parametrize(
     "route,extra,param",
     [
-        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"functions": [{"name": "f"}]}, "functions"),
+        ("chat", {"response_format": {"type": "xml"}}, "response_format"),
         (
             "chat",
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -231,7 +231,7 @@ def test_invalid_input_is_422_in_the_envelope(engine, route, body):
         (
             "/v1/chat/completions",
             {"messages": [{"role": "robot", "content": "hi"}]},
-            "messages[0].role: should be 'system', 'user' or 'assistant'",
+            "messages[0].role: should be 'system', 'user', 'assistant' or 'tool'",
         ),
     ],
 )

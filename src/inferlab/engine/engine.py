@@ -27,10 +27,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from queue import SimpleQueue
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from inferlab.engine.grammar import Constraint, GrammarCompiler
 from inferlab.engine.kv.block_manager import BlockManager
 from inferlab.engine.kv.budget import KVPool
 from inferlab.engine.kv.contiguous import KVCache, SlotPool, compute_kv_cache_bytes
@@ -114,6 +116,7 @@ class InferenceEngine:
         self.loaded, self.config = loaded, config
         self.model: Transformer = loaded.model
         self.tokenizer = loaded.tokenizer
+        self.grammars = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size)  # constrained requests' matchers
         self.load_stats: dict[str, float] = {}  # the load's time and peak resident memory (api.engine_from_config)
         self.kv_cache: KVCache | None = None
         self.pool: SlotPool | None = None
@@ -246,8 +249,13 @@ class InferenceEngine:
         return SamplingParams(**values)
 
     def encode_prompt(
-        self, prompt: str | list[int], chat: bool = False, messages: list[dict[str, str]] | None = None
+        self,
+        prompt: str | list[int],
+        chat: bool = False,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
+        """Token ids of a raw prompt, or of `messages` (and `tools`) through the model's chat template."""
         if messages is None and chat:
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
@@ -255,7 +263,7 @@ class InferenceEngine:
         if messages is not None:
             if not messages:
                 raise InvalidRequestError("messages must not be empty")
-            return self.tokenizer.encode(self.tokenizer.render_chat(messages))
+            return self.tokenizer.encode(self.tokenizer.render_chat(messages, tools=tools))
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
@@ -266,9 +274,20 @@ class InferenceEngine:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
+    def check_constraint(self, constraint: Constraint) -> None:
+        """InvalidRequestError naming the constraint's field if its schema, regex or grammar is invalid."""
+        self.grammars.check(constraint)
+
     def check_supported(self, params: SamplingParams, loop: bool) -> None:
         """Refuse, by name, what this path cannot do: speculative decoding samples many positions per
-        forward without a request's history; prompt log-probabilities come from the engine loop's prefill."""
+        forward without a request's history, and verifies a grammar's drafts only in the engine loop; prompt
+        log-probabilities come from the engine loop's prefill."""
+        if self.speculation is not None and params.constraint is not None and not (loop and self.loop is not None):
+            raise InvalidRequestError(
+                f"{params.constraint.param}: constrained output with speculative decoding runs in the engine loop "
+                "only; serve with cache=paged or cache=contiguous, or spec=off",
+                param=params.constraint.param,
+            )
         if self.speculation is not None and params.history_fields():
             raise InvalidRequestError(
                 f"{', '.join(params.history_fields())}: not available with speculative decoding; serve with spec=off"
@@ -538,6 +557,7 @@ class InferenceEngine:
         if max_new is None:
             max_new = min(params.max_new_tokens, self.config.max_seq_len - len(prompt_ids))
         stop_ids = (set() if params.ignore_eos else set(self.tokenizer.eos_ids)) | set(params.stop_token_ids)
+        grammar = self.grammars.start(params.constraint) if params.constraint is not None else None
         return Request(
             next(self._request_ids),
             list(prompt_ids),
@@ -548,6 +568,7 @@ class InferenceEngine:
             emit,
             params.make_generator(self.config.device),
             priority,
+            grammar=grammar,
         )
 
     async def stream_generate(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:

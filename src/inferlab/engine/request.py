@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from inferlab.engine.grammar import TokenGrammar
 from inferlab.engine.kv.block_manager import BlockTable
 from inferlab.engine.logits import TokenLogprob, changes_logits, log_probs, process_logits, token_logprob
 from inferlab.engine.sampling import SamplingParams, sample
@@ -68,6 +69,7 @@ class Request:
     finish_reason: str | None = None
     first_token_time: float | None = None
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # filled by the prefill
+    grammar: TokenGrammar | None = None  # what its output must match (params.constraint), advanced by `accept`
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -113,25 +115,30 @@ class Request:
         generator, accepted; a request that generates nothing (max_new_tokens=0, echo only) just closes.
 
         `argmax` is the logits' argmax where the caller took every request's at once (the engine loop): a
-        greedy request whose history changes nothing takes it as its token."""
+        greedy request whose history and grammar change nothing takes it as its token."""
         if self.max_new_tokens == 0:
             return [self._close("length")]
-        if argmax is not None and self.params.greedy and not changes_logits(self.params):
+        if argmax is not None and self.params.greedy and not changes_logits(self.params) and self.grammar is None:
             token = argmax
         else:
             processed = process_logits(logits, self.params, self.prompt_ids, self.output_ids, self.eos_ids)
+            if self.grammar is not None:
+                processed = self.grammar.mask(processed)
             token = sample(processed, self.params, self.generator)
         top = self.params.logprobs
         return self.accept(token, token_logprob(log_probs(logits), token, top) if top is not None else None)
 
     def accept(self, token: int, logprob: TokenLogprob | None = None) -> list[StreamEvent]:
-        """A sampled token -> the events to stream: the token's, and the closing one when it ends the request."""
+        """A sampled token -> the events to stream: the token's, and the closing one when it ends the request (EOS,
+        a stop string, max_new_tokens, or a grammar that nothing but EOS may follow)."""
         now = time.perf_counter()
         first = not self.output_ids
         if first:
             self.first_token_time = now
         if token in self.eos_ids:
             return [self._close("stop", logprob)]
+        if self.grammar is not None:
+            self.grammar.advance(token)
         self.output_ids.append(token)
         delta, stopped = self.text.push(token)
         n = len(self.output_ids)
@@ -145,6 +152,7 @@ class Request:
                 prompt_logprobs=self._prompt_logprobs() if first else None,
             )
         ]
+        stopped = stopped or (self.grammar is not None and self.grammar.complete)
         if stopped or n >= self.max_new_tokens:
             events.append(self._close("stop" if stopped else "length"))
         return events

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from inferlab.engine.grammar import Constraint
 from inferlab.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's limit)
@@ -34,6 +35,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
     logprobs: int | None = None  # report each generated token's log-probability and this many top ones
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (computed in the prefill)
+    constraint: Constraint | None = None  # what the output must match (engine/grammar.py); None: anything
 
     def __post_init__(self) -> None:
         least = 0 if self.prompt_logprobs is not None else 1  # prompt log-probabilities alone generate nothing

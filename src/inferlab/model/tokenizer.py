@@ -36,7 +36,14 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return self.backend.id_to_token(token_id) or ""
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The template's text for `messages`; `tools` (OpenAI's function definitions) are the template's to
+        render, as Hugging Face templates take them (a template that does not read them leaves them out)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template: pass raw text (chat=false)")
         env = ImmutableSandboxedEnvironment(
@@ -46,7 +53,7 @@ class Tokenizer:
         bos = self.token_text(self.bos_id) if self.bos_id is not None else ""
         eos = self.token_text(min(self.eos_ids)) if self.eos_ids else ""
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, tools=tools
         )
 
     def save_hf_dir(self, path: Path, model_max_length: int) -> Path:

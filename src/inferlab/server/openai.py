@@ -31,10 +31,13 @@ from inferlab.server.schemas import (
     CompletionResponse,
     LogprobsBlock,
     OpenAIRequest,
+    ToolCall,
     TopLogprob,
     Usage,
 )
 from inferlab.server.streams import Dispatcher, EventStreamResponse
+from inferlab.server.structured import requested_constraint
+from inferlab.server.tools import ToolUse, template_tools, tool_use
 
 
 def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> APIRouter:
@@ -49,7 +52,12 @@ def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> A
         record, prompts = request.state.record, body.prompts
         # echo with max_tokens=0 still runs the prefill: its prompt logprobs are computed, then not shown
         prompt_logprobs = (body.logprobs if body.logprobs is not None else 0) if body.echo else None
-        sampling = {**body.sampling_overrides(), "logprobs": body.logprobs, "prompt_logprobs": prompt_logprobs}
+        sampling = {
+            **body.sampling_overrides(),
+            "logprobs": body.logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "constraint": requested_constraint(body),
+        }
         prepared = [
             dispatcher.prepare(record, s, body.max_tokens, prompt=p, tokens_field="max_tokens")
             for p in prompts
@@ -100,12 +108,26 @@ def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> A
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         record = request.state.record
         messages = [m.as_template_input() for m in body.messages]
-        sampling = {**body.sampling_overrides(), "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
+        tools = tool_use(body, tokenizer.chat_template)
+        constraint = requested_constraint(body)
+        forced = tools.constraint() if tools is not None else None
+        if constraint is not None and forced is not None:
+            raise InvalidRequestError(
+                f"tool_choice: a required or named tool call is its own structured output; drop {constraint.param}",
+                param="tool_choice",
+            )
+        sampling = {
+            **body.sampling_overrides(),
+            "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
+            "constraint": constraint or forced,
+        }
         dispatcher.check_cap("max_tokens", body.max_tokens)  # refused even where max_completion_tokens wins
         max_tokens = body.max_completion_tokens or body.max_tokens
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         prepared = [
-            dispatcher.prepare(record, s, max_tokens, "", messages=messages, tokens_field=field)
+            dispatcher.prepare(
+                record, s, max_tokens, "", messages=messages, tokens_field=field, tools=template_tools(body)
+            )
             for s in choice_sampling(body, sampling, dispatcher, 1)
         ]
         jobs = await dispatcher.start_all(record, prepared)
@@ -118,6 +140,7 @@ def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> A
             tokenizer,
             [None] * body.n,
             body.logprobs,
+            tools=tools,
         )
         if body.stream:
             return EventStreamResponse(jobs.sse(chunks))
@@ -129,11 +152,12 @@ def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> A
                 if body.logprobs
                 else None
             )
+            content, calls = tools.parse(text) if tools is not None else (text, [])
             choices.append(
                 ChatChoice(
                     index=index,
-                    message=AssistantMessage(content=text),
-                    finish_reason=last.finish_reason,
+                    message=AssistantMessage(content=content, tool_calls=calls or None),
+                    finish_reason=finish_reason(last.finish_reason, calls),
                     logprobs=logprobs,
                 )
             )
@@ -143,6 +167,11 @@ def router(dispatcher: Dispatcher, model_name: str, errors: dict[int, Any]) -> A
         )
 
     return routes
+
+
+def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
+    """A reply that ended as the model chose to, with tool calls in it, finishes with "tool_calls"."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def choice_sampling(
@@ -188,15 +217,29 @@ class Chunks:
     tokenizer: Tokenizer
     echoes: list[Echo | None]
     logprobs: bool
+    tools: ToolUse | None = None  # chat with tools: each choice's text is held back and parsed when it closes
     created: int = field(default_factory=lambda: int(time.time()))
     started: set[int] = field(default_factory=set)
     offsets: dict[int, int] = field(default_factory=dict)  # choice -> characters shown so far (text_offset)
     closed: dict[int, Timings] = field(default_factory=dict)
+    held: dict[int, str] = field(default_factory=dict)  # choice -> text held back (tools)
 
     def __call__(self, index: int, event: StreamEvent) -> Iterable[dict[str, Any]]:
         if index not in self.started:
             self.started.add(index)
             yield from self._opening(index, event)
+        if self.tools is not None:
+            yield from self._tool_deltas(index, event)
+        else:
+            yield self._chunk(index, {**self._delta(index, event), "finish_reason": event.finish_reason})
+        if event.finish_reason is not None:
+            self.closed[index] = event.timings
+            if self.include_usage and len(self.closed) == len(self.echoes):
+                timings = [self.closed[i] for i in sorted(self.closed)]
+                yield {**self._head(), "choices": [], "usage": self.usage(timings).model_dump()}
+
+    def _delta(self, index: int, event: StreamEvent) -> dict[str, Any]:
+        """An event's part of its chunk: chat's delta or completions' text, and its logprobs when asked."""
         if self.chat:  # the closing chunk's delta is empty unless it flushes held-back text
             body: dict[str, Any] = {
                 "delta": {"content": event.text} if event.text or event.finish_reason is None else {}
@@ -209,12 +252,22 @@ class Chunks:
                 block = LogprobsBlock(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
                 self.offsets[index] = self.extend_block(block, [event.logprob], self.offsets.get(index, 0))
                 body["logprobs"] = block.model_dump()
-        yield self._chunk(index, {**body, "finish_reason": event.finish_reason})
-        if event.finish_reason is not None:
-            self.closed[index] = event.timings
-            if self.include_usage and len(self.closed) == len(self.echoes):
-                timings = [self.closed[i] for i in sorted(self.closed)]
-                yield {**self._head(), "choices": [], "usage": self.usage(timings).model_dump()}
+        return body
+
+    def _tool_deltas(self, index: int, event: StreamEvent) -> Iterable[dict[str, Any]]:
+        """A choice that may call tools: its text whole when it closes, as content or as one tool-call delta per
+        call (each with its id, name and whole arguments), then the finish reason."""
+        self.held[index] = self.held.get(index, "") + event.text
+        if event.finish_reason is None or self.tools is None:
+            return
+        content, calls = self.tools.parse(self.held.pop(index))
+        if content:
+            yield self._chunk(index, {"delta": {"content": content}, "finish_reason": None})
+        for i, call in enumerate(calls):
+            yield self._chunk(
+                index, {"delta": {"tool_calls": [{"index": i, **call.model_dump()}]}, "finish_reason": None}
+            )
+        yield self._chunk(index, {"delta": {}, "finish_reason": finish_reason(event.finish_reason, calls)})
 
     def _opening(self, index: int, event: StreamEvent) -> Iterable[dict[str, Any]]:
         if self.chat:

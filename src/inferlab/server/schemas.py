@@ -5,6 +5,7 @@ Pydantic would read "0.5", `true` or 1 as each other, which the schema does not 
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, WithJsonSchema
@@ -134,6 +135,64 @@ LogitBias = Annotated[
 ]
 
 
+JsonSchemaText = dict[str, Any] | Annotated[str, Field(min_length=1, max_length=65536)]  # a schema, or its JSON text
+GrammarText = Annotated[str, Field(min_length=1, max_length=65536), AfterValidator(_utf8)]
+Choices = Annotated[
+    list[Annotated[str, Field(min_length=1, max_length=1024), AfterValidator(_utf8)]],
+    Field(min_length=1, max_length=256),
+]
+
+
+class JsonSchemaFormat(BaseModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description="the JSON schema to match")
+    strict: StrictBool | None = Field(default=None, description="the schema is always enforced, strict or not")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: JsonSchemaText | None = Field(default=None, alias="json")
+    regex: GrammarText | None = None
+    choice: Choices | None = None
+    grammar: GrammarText | None = None
+    json_object: StrictBool | None = None
+
+
+class FunctionDefinition(BaseModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="a JSON schema of the arguments object")
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -159,15 +218,15 @@ class OpenAIRequest(Sampling):
     min_tokens: Annotated[int, Field(ge=0), Number] = 0
     ignore_eos: StrictBool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = None
-    tools: Unsupported = None
-    tool_choice: Unsupported = None
     functions: Unsupported = None
     function_call: Unsupported = None
     best_of: Unsupported = None
-    guided_json: Unsupported = None
-    guided_regex: Unsupported = None
-    guided_choice: Unsupported = None
-    guided_grammar: Unsupported = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonSchemaText | None = Field(default=None, description="vLLM's: a JSON schema the output matches")
+    guided_regex: GrammarText | None = Field(default=None, description="vLLM's: a regex the output matches")
+    guided_choice: Choices | None = Field(default=None, description="vLLM's: the output is one of these strings")
+    guided_grammar: GrammarText | None = Field(default=None, description="vLLM's: a Lark or GBNF grammar")
 
     @property
     def include_usage(self) -> bool:
@@ -229,18 +288,46 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments object as JSON text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: Text | Annotated[list[TextPart], Field(min_length=1)]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Text | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, description="an assistant's earlier calls")
+    tool_call_id: str | None = Field(default=None, description="a tool message: the call it answers")
 
-    def as_template_input(self) -> dict[str, str]:
-        """The message as chat templates read it: the text parts joined into one string."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates read it: the text parts joined into one string; an assistant's tool calls
+        with their arguments as objects (templates write them out as JSON themselves)."""
+        content = self.content or ""
+        message: dict[str, Any] = {
+            "role": self.role,
+            "content": content if isinstance(content, str) else "".join(p.text for p in content),
+        }
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _loads(c)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-class ResponseFormat(BaseModel):
-    type: Literal["text"] = Field(description="only plain text: JSON modes and schemas are not supported")
+def _loads(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -256,8 +343,9 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: MaxTokens = None
     logprobs: StrictBool = False
     top_logprobs: TopLogprobs = None
-    response_format: ResponseFormat | None = None
-    parallel_tool_calls: Unsupported = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = Field(default=None, description="auto when tools are given, else none")
+    parallel_tool_calls: StrictBool | None = None
     audio: Unsupported = None
     prediction: Unsupported = None
 
@@ -289,7 +377,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: calls is None)
 
 
 class TopLogprob(BaseModel):

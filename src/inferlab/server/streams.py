@@ -47,7 +47,7 @@ class Dispatcher:
         max_new_tokens: int | None,
         prompt: str | list[int] = "",
         chat: bool = False,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         tokens_field: str = "max_new_tokens",
     ) -> Job:
         prompt_ids, params = self.prepare(record, sampling, max_new_tokens, prompt, chat, messages, tokens_field)
@@ -74,14 +74,17 @@ class Dispatcher:
         max_new_tokens: int | None,
         prompt: str | list[int],
         chat: bool = False,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         tokens_field: str = "max_new_tokens",
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], SamplingParams]:
-        """Prompt token ids and sampling parameters, or InvalidRequestError (422) before any tensor work.
+        """Prompt token ids and sampling parameters, or InvalidRequestError (422) before any tensor work (a
+        constraint's schema, regex or grammar checked too).
 
         `tokens_field` is what the route calls `max_new_tokens`, for the message."""
         settings, engine = self.settings, self.engine
         chars = (len(prompt) if isinstance(prompt, str) else 0) + sum(len(m["content"]) for m in messages or ())
+        chars += len(json.dumps(tools)) if tools else 0
         if chars > settings.max_prompt_chars:
             raise InvalidRequestError(
                 f"prompt: {chars} characters, more than this server's {settings.max_prompt_chars}"
@@ -92,8 +95,10 @@ class Dispatcher:
         limit = min(params.max_new_tokens, settings.max_new_tokens_cap)
         # min_tokens past the tokens that will be generated asks for all of them
         params = dataclasses.replace(params, max_new_tokens=limit, min_tokens=min(min_tokens, limit))
+        if params.constraint is not None:
+            engine.check_constraint(params.constraint)
         try:
-            prompt_ids = engine.encode_prompt(prompt, chat, messages)
+            prompt_ids = engine.encode_prompt(prompt, chat, messages, tools)
         except ValueError as e:  # the chat template refused the messages
             raise InvalidRequestError(str(e).splitlines()[0]) from None
         engine.check_prompt(prompt_ids)

@@ -14,7 +14,8 @@ the drafts kept while they equal the target's argmax), so its tokens are distrib
 speculation. The KV of the fed token and the accepted drafts is counted (and, once a block is full, findable in the
 prefix cache); the rejected rows' KV is not, and the blocks they took go back to the allocator. A round's tokens are
 streamed one by one through the request's own `accept`, which ends it at EOS, a stop string or max_tokens wherever
-that falls in the round.
+that falls in the round. A constrained request's K+1 distributions are masked by its grammar after each draft
+prefix first, so a draft the grammar forbids has probability 0 under the target and is rejected.
 """
 
 from __future__ import annotations
@@ -182,6 +183,8 @@ class LoopSpeculation:
         proposal = self.proposals[request]
         drafts = proposal.tokens
         self.blocks.advance(request.kv, request.token_ids, 1)  # the fed token's KV is the sequence's either way
+        if request.grammar is not None:  # the target's distributions as the grammar allows them at each draft
+            rows = request.grammar.mask_drafts(rows, drafts)
         n, last = verify_proposal(rows, proposal, request.params, request.generator)
         events, kept = [], 0
         for token in [*drafts[:n], last]:
