@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from inferlab.kernels.aten import int8_kernel_fits, int8_mm
 from inferlab.kernels.gemv import gemv, gemv_fits, int8_kernel_max_rows, prepared_input, quantized_max_rows
+from inferlab.kernels.huge_pages import zeros_on_huge_pages
 from inferlab.kernels.isa import bf16_gemm_native
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
@@ -68,7 +69,9 @@ class Int8Linear(nn.Module):
     def keep_dense_copy(self, dtype: torch.dtype) -> int:
         """kernels/layer.py's DenseCopyLayer: the same values the reference path computes at each call, 1 Mi weights
         at a time (a vocabulary-sized head's fp32 temporary would raise loading's peak by its whole size)."""
-        dense = torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device)
+        # straight onto fresh (huge) pages: the weights' later move to huge pages leaves a view of them where it is,
+        # so the largest copy (a vocabulary's head) is never copied a second time while loading
+        dense = zeros_on_huge_pages(tuple(self.weight.shape), dtype, self.weight.device)
         step = max(1, (1 << 20) // self.in_features)
         for start in range(0, self.out_features, step):
             rows = slice(start, start + step)

@@ -9,6 +9,7 @@ are committed only as blocks fill, so it adds nothing here. The shape presets' f
 
 from __future__ import annotations
 
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -17,6 +18,7 @@ from inferlab.api import CONF_DIR, engine_from_config, memory_mib
 from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, register
 from inferlab.bench.studies.common import in_fresh_process
+from inferlab.errors import InferlabError
 from inferlab.model.loader import model_file
 from inferlab.quant import weight_bytes
 
@@ -31,7 +33,10 @@ def run(cfg: DictConfig) -> Rows:
         with open_dict(job):
             job.model = OmegaConf.load(CONF_DIR / "model" / f"{entry.model}.yaml")
             job.model.file_format = entry.get("file_format")
-        rows += in_fresh_process(measure, job)
+        try:
+            rows += in_fresh_process(measure, job)
+        except (BrokenProcessPool, InferlabError) as e:  # a file that did not load is a row saying why, not a lost job
+            rows.append({"model": entry.model, "file_format": entry.get("file_format"), "note": f"not loaded: {e!r}"})
     return rows
 
 
