@@ -53,7 +53,7 @@ METRICS = (
 )
 
 
-@register("serving", "serving_spec", "serving_sizes")
+@register("serving", "serving_spec", "serving_sizes", "kv_pool")
 def run(cfg: DictConfig) -> Rows:
     study, load = cfg.study, OmegaConf.to_container(cfg.load, resolve=True)
     model = OmegaConf.to_container(cfg.model, resolve=True)
