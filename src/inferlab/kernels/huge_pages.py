@@ -77,6 +77,8 @@ def _large_tensors(model: nn.Module, min_bytes: int) -> dict[int, Tensor]:
     that own their whole storage."""
     found: dict[int, Tensor] = {}
     for module in model.modules():
+        if isinstance(module, nn.Embedding):  # a step looks up a few rows: no stream to speed up, a transient to spare
+            continue
         for tensor in [*module._parameters.values(), *module._buffers.values()]:
             if (
                 tensor is not None

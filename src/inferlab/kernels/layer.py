@@ -104,8 +104,9 @@ class DenseCopyLayer(Protocol):
         """A copy in `dtype` would serve many rows faster than the kernel, on this machine."""
         ...
 
-    def keep_dense_copy(self, dtype: torch.dtype) -> int:
-        """Hold the dequantized weights in `dtype` from now on; return their bytes (0: this layer cannot)."""
+    def keep_dense_copy(self, out: Tensor) -> int:
+        """Hold the dequantized weights from now on, written into `out` (out_features, in_features) in the copy's
+        dtype; return their bytes."""
         ...
 
 

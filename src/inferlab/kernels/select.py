@@ -9,7 +9,7 @@ from torch import nn
 
 from inferlab.kernels.build import fast_kernels_apply, use_isa
 from inferlab.kernels.gemv import GemvLinear
-from inferlab.kernels.huge_pages import move_weights_to_huge_pages
+from inferlab.kernels.huge_pages import move_weights_to_huge_pages, zeros_on_huge_pages
 from inferlab.kernels.isa import resolve_isa
 from inferlab.kernels.layer import KernelLayer, holds_dense_copy
 
@@ -46,24 +46,35 @@ def select_kernels(
                 setattr(module, child_name, GemvLinear(child))
                 swapped.append(f"{name}.{child_name}" if name else child_name)
     if kernels == "fast" and dense_copy_mb:
-        keep_dense_copies(model, dtype, dense_copy_mb)
+        keep_dense_copies(model, dtype, dense_copy_mb, device)
     if kernels == "fast" and device.type == "cpu":
         moved = move_weights_to_huge_pages(model)
         log.info("weights on huge pages: %.1f MiB", moved / 2**20)
     return swapped
 
 
-def keep_dense_copies(model: nn.Module, dtype: torch.dtype, budget_mb: float) -> int:
+def keep_dense_copies(
+    model: nn.Module, dtype: torch.dtype, budget_mb: float, device: torch.device = torch.device("cpu")
+) -> int:
     """Dequantized copies of every quantized layer whose copy pays here (layer.DenseCopyLayer), when they all fit in
     `budget_mb`; return their bytes."""
     layers = {id(m): m for m in model.modules() if holds_dense_copy(m) and m.dense_copy_pays(dtype)}.values()
-    need = sum(m.out_features * m.in_features for m in layers) * torch.empty(0, dtype=dtype).element_size()
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    need = sum(m.out_features * m.in_features for m in layers) * itemsize
     if not layers or need > budget_mb * 2**20:
         if layers:
             log.info(
                 "no dense copies of the quantized layers: %.0f MiB > device.dense_copy_mb=%g", need / 2**20, budget_mb
             )
         return 0
-    kept = sum(m.keep_dense_copy(dtype) for m in layers)
+    # one arena of fresh (huge) pages for every copy, each a view at a 64-byte boundary: the weights' move to huge
+    # pages leaves views where they are, and no copy rounds up to a page of its own
+    sizes = [-(-m.out_features * m.in_features * itemsize // 64) * 64 for m in layers]
+    arena = zeros_on_huge_pages((sum(sizes),), torch.uint8, device)
+    offset, kept = 0, 0
+    for m, size in zip(layers, sizes):
+        view = arena[offset : offset + m.out_features * m.in_features * itemsize]
+        kept += m.keep_dense_copy(view.view(dtype).view(m.out_features, m.in_features))
+        offset += size
     log.info("dense copies of the quantized layers for many-row steps: %.1f MiB", kept / 2**20)
     return kept

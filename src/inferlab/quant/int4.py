@@ -188,9 +188,9 @@ class Int4GroupLinear(nn.Module):
         `kernel_max_rows`; elsewhere the kernel wins at every number of rows, and the copy costs 4x the weights."""
         return self.layout in NIBBLE_LAYOUTS and dtype == torch.bfloat16 and amx_bf16_usable()
 
-    def keep_dense_copy(self, dtype: torch.dtype) -> int:
-        self.dense = self.dequantize().to(dtype)
-        return self.dense.nbytes
+    def keep_dense_copy(self, out: Tensor) -> int:
+        self.dense = out.copy_(self.dequantize())
+        return out.nbytes
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
         if self.layout in NIBBLE_LAYOUTS:

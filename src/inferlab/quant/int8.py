@@ -8,7 +8,6 @@ from torch import Tensor, nn
 
 from inferlab.kernels.aten import int8_kernel_fits, int8_mm
 from inferlab.kernels.gemv import gemv, gemv_fits, int8_kernel_max_rows, prepared_input, quantized_max_rows
-from inferlab.kernels.huge_pages import zeros_on_huge_pages
 from inferlab.kernels.isa import bf16_gemm_native
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
@@ -66,18 +65,16 @@ class Int8Linear(nn.Module):
         rows."""
         return dtype != torch.bfloat16 or self.weight.device.type != "cpu" or bf16_gemm_native()
 
-    def keep_dense_copy(self, dtype: torch.dtype) -> int:
-        """kernels/layer.py's DenseCopyLayer: the same values the reference path computes at each call, 1 Mi weights
-        at a time (a vocabulary-sized head's fp32 temporary would raise loading's peak by its whole size)."""
-        # straight onto fresh (huge) pages: the weights' later move to huge pages leaves a view of them where it is,
-        # so the largest copy (a vocabulary's head) is never copied a second time while loading
-        dense = zeros_on_huge_pages(tuple(self.weight.shape), dtype, self.weight.device)
+    def keep_dense_copy(self, out: Tensor) -> int:
+        """kernels/layer.py's DenseCopyLayer: the same values the reference path computes at each call, into `out`
+        (out_features, in_features) in the copy's dtype, 1 Mi weights at a time (a vocabulary-sized head's fp32
+        temporary would raise loading's peak by its whole size)."""
         step = max(1, (1 << 20) // self.in_features)
         for start in range(0, self.out_features, step):
             rows = slice(start, start + step)
-            dense[rows] = self.weight[rows].float() * self.scales[rows].float()[:, None]
-        self.dense = dense
-        return dense.nbytes
+            out[rows] = self.weight[rows].float() * self.scales[rows].float()[:, None]
+        self.dense = out
+        return out.nbytes
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
         if self.use_kernel and gemv_fits(
