@@ -105,7 +105,7 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
         "study=peers",
         "size=smoke",
         "model=smollm2-135m",
-        "precision=int8",
+        "precision=int4",
         "measure.repeats=1",
         "study.prefill_tokens=[32]",
     )
@@ -117,7 +117,7 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
     assert [row["isa"] for row in inferlab] == expected
     rows = {row["engine"]: row for row in result["rows"]}
     assert set(rows) == {"inferlab", "transformers", "llama.cpp"}
-    assert rows["transformers"]["decode_tok_s"] is None and "no int8 path" in rows["transformers"]["note"]
+    assert rows["transformers"]["decode_tok_s"] is None and "no int4 path" in rows["transformers"]["note"]
     measured = [row for row in rows.values() if row["decode_tok_s"] is not None]
     assert rows["inferlab"] in measured
     for row in measured:  # the roofline: the bandwidth probed over a buffer of this engine's weight bytes, over them
@@ -129,10 +129,10 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
     # the job's own build alone is paired with the same engine at bf16, on the same prompts
     assert inferlab[0]["prefill_32_vs_bf16"] > 0
     assert all("prefill_32_vs_bf16" not in row for row in result["rows"] if row is not inferlab[0])
-    if rows["llama.cpp"]["decode_tok_s"] is None:  # the peers extra is not installed here
-        assert "pip install" in rows["llama.cpp"]["note"]
-    else:
-        assert rows["llama.cpp"]["note"].endswith(".int8.gguf")
+    if rows["llama.cpp"]["decode_tok_s"] is None:  # llama.cpp's programs are not built here
+        assert "make llama-server" in rows["llama.cpp"]["note"]
+    else:  # llama-bench on the job's own file
+        assert rows["llama.cpp"]["note"].startswith("llama-bench") and rows["llama.cpp"]["note"].endswith("Q4_1.gguf")
 
 
 def test_a_paired_prefill_is_timed_beside_ours_in_turns_and_given_as_its_seconds_over_ours():
@@ -145,7 +145,7 @@ def test_a_paired_prefill_is_timed_beside_ours_in_turns_and_given_as_its_seconds
 
         return prefill
 
-    peer = Peer(lambda ids, n: [], timed("int4", 0.25), 0, "", "amx", ("bf16", timed("bf16", 0.5)))
+    peer = Peer(lambda ids, n: 0.0, timed("int4", 0.25), 0, "", "amx", ("bf16", timed("bf16", 0.5)))
     prompts = {4: ([1] * 4, [2] * 4), 8: ([1] * 8, [2] * 8)}
     assert prefill_rates(peer, prompts, index=1) == {
         "prefill_4_tok_s": 16.0,
@@ -159,7 +159,7 @@ def test_a_paired_prefill_is_timed_beside_ours_in_turns_and_given_as_its_seconds
     prefill_rates(peer, prompts, index=2)  # the next round, bf16 is A
     assert calls[:4] == ["bf16 [1]", "int4 [1]", "int4 [2]", "bf16 [2]"]
     calls.clear()
-    alone = Peer(peer.generate, peer.prefill, 0, "", "amx")
+    alone = Peer(peer.decode, peer.prefill, 0, "", "amx")
     assert prefill_rates(alone, prompts, index=1) == {"prefill_4_tok_s": 16.0, "prefill_8_tok_s": 32.0}
     assert calls == ["int4 [1]", "int4 [1]"]  # the first prompt of each length only
 
