@@ -18,6 +18,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
 from inferlab.engine.engine import EngineConfig, GenerationRequest, InferenceEngine
+from inferlab.engine.grammar import GrammarCompiler
 from inferlab.engine.request import StreamEvent
 from inferlab.errors import EngineFailedError
 from inferlab.model.config import ModelConfig
@@ -44,14 +45,17 @@ class EngineFront:
 class ReplicatedEngine:
     """The part of InferenceEngine that server/ calls (create_app's routes and the Dispatcher), over replicas."""
 
-    # the engine's own checks, which read only the tokenizer, the engine config and the model config
+    # the engine's own checks, which read only the tokenizer, the engine config, the model config and the grammars
     sampling_params = InferenceEngine.sampling_params
     encode_prompt = InferenceEngine.encode_prompt
     check_prompt = InferenceEngine.check_prompt
+    check_constraint = InferenceEngine.check_constraint
 
     def __init__(self, replicas: DeploymentHandle, front: EngineFront, answer_timeout_s: float) -> None:
         self.replicas, self.answer_timeout_s = replicas, answer_timeout_s
         self.tokenizer, self.config, self.loaded = front.tokenizer, front.config, front.loaded
+        # a constraint is checked here; its matcher runs on the replica
+        self.grammars = GrammarCompiler(front.tokenizer, front.loaded.config.vocab_size)
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         """The request's events from the replica the router picks; closing early cancels it there (its KV freed)."""
