@@ -116,7 +116,7 @@ $(VLLM_VENV)/.installed:
 # after the distilled draft whose spec=draft rows the spec_decode study measures (`make draft`, ~11 min, once per
 # machine: it goes to the cache dir, where spec=draft finds it). The contention study's llama.cpp rows need
 # `make llama-server` first (else they say so).
-REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving serving_spec contention
+REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving serving_spec serving_replicas contention
 VLLM_PYTHON ?=
 report: setup
 	@draft=$$($(PY) -c 'from inferlab.paths import default_draft_dir; print(default_draft_dir("smollm2-135m"))'); \

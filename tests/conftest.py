@@ -111,6 +111,7 @@ def tiny_engine(
     kv_dtype: torch.dtype | None = None,
     dense_copy_mb: float = 0,
     device: torch.device = torch.device("cpu"),
+    prefix_cache: bool = False,
     **overrides,
 ) -> InferenceEngine:
     """`kernels` given: the model's layers are swapped for that choice (kernels/select.py) first, as
@@ -134,7 +135,7 @@ def tiny_engine(
         defaults=SamplingParams(max_new_tokens=max_new_tokens),
         block_size=16,
         kv_blocks=0,
-        prefix_cache=False,
+        prefix_cache=prefix_cache,
         scheduler=SchedulerConfig(max_running=16, max_waiting=64, max_batched_tokens=256),
         kernels=kernels or "fast",
         kv_dtype=kv_dtype,

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pandas as pd
 import pytest
 from conftest import tiny_model
@@ -21,6 +22,7 @@ from inferlab.bench.studies.contention import compared, fixed_thread_counts
 from inferlab.bench.studies.peers import Peer, prefill_rates
 from inferlab.bench.studies.profile import phase_weight_bytes
 from inferlab.bench.studies.serving import load_plan, paired_variants
+from inferlab.bench.targets import ServerProcess
 from inferlab.kernels.build import cpu_gemv_available
 from inferlab.kernels.isa import supported_isas
 from inferlab.paths import cache_dir, conf_dir
@@ -325,6 +327,29 @@ def test_serving_spec_drives_spec_off_and_self_at_one_precision_in_one_job(tmp_p
     assert (
         "spec=self (K <= " in logs["self"] and "spec=" not in logs["off"].split("precision fp32", 1)[1].split("\n")[0]
     )
+
+
+@pytest.mark.slow
+def test_serving_loads_a_server_already_running_at_a_url(tmp_path: Path):
+    """study.endpoints: a server the study neither starts nor pauses (a cluster's endpoint), loaded like the rest."""
+    overrides = ["model=tiny-random", "server.rate_limit=1000000/minute"]
+    with ServerProcess([sys.executable, "-m", "inferlab.serve"], overrides, "127.0.0.1", 180, tmp_path / "log") as url:
+        result = one_ok_result(
+            tmp_path / "results",
+            "study=serving",
+            "size=smoke",
+            "study.servers=[]",
+            f"study.endpoints=[{{name:cluster,url:'{url}'}}]",
+            "study.levels=[1,2]",
+            "load.num_requests=2",
+        )
+        served = httpx.get(f"{url}/v1/metrics", timeout=10).json()["requests_completed"]
+    rows = result["rows"]
+    assert [(row["server"], row["concurrency"]) for row in rows] == [("cluster", 1), ("cluster", 2)]
+    for row in rows:
+        assert row["failed"] == 0 and row["output_throughput"] > 0 and row["output_tokens_per_request"] == 4
+        assert row["weights"] == f"already running at {url}" and "steps_per_s" not in row  # not its to profile
+    assert served == 1 + 2 + 2  # the warm-up request, then each level's two: all of them on that server
 
 
 @pytest.mark.slow

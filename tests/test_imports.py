@@ -23,6 +23,7 @@ BELOW = {  # each layer and the layers it may import, besides itself and the lea
     "quant": {"kernels", "model"},
     "engine": {"quant", "kernels", "model"},
     "server": {"engine", "quant", "kernels", "model"},
+    "replicas": {"api", "server", "engine", "quant", "kernels", "model"},  # the server's app over Ray Serve replicas
 }
 
 
@@ -189,3 +190,15 @@ def test_importing_quant_builds_no_kernels_and_loads_no_engine(tmp_path):
     assert not [m for m in seen["modules"] if layer_of(m) == "engine"]
     assert not [lib for lib in seen["libraries"] if "inferlab" in lib]
     assert not (tmp_path / "cache").exists()
+
+
+def test_serving_and_its_command_line_import_no_ray():
+    """Ray is the replicas extra's: the server, its command and the package's front door run without it (a module
+    that imports ray on the way would fail there), and only inferlab-serve-replicas reaches for it."""
+    probe = (
+        "import json, sys, inferlab, inferlab.api, inferlab.serve, inferlab.server, inferlab.serve_replicas; "
+        "print(json.dumps(sorted(m for m in sys.modules if m == 'ray' or m.startswith(('ray.', 'inferlab.replicas')))))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

@@ -12,9 +12,11 @@ import json
 import logging
 import time
 
+import httpx
 import pytest
-from conftest import tiny_engine
+from conftest import running_server, tiny_engine
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from inferlab.api import compose
 from inferlab.errors import OverloadedError
@@ -364,6 +366,60 @@ def test_metrics_and_request_log(engine, caplog):
     text = client.get("/metrics").text
     assert 'inferlab_requests_total{route="/v1/generate/stream",status="200"} 1.0' in text
     assert 'inferlab_tokens_total{kind="completion"} 4.0' in text and "inferlab_kv_blocks_used" in text
+
+
+def gauges(text: str) -> dict[str, tuple[dict[str, str], float]]:
+    """Each Prometheus sample of a /metrics body by name: its labels and value (the last one of a name)."""
+    return {s.name: (s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_cluster_router_gauges_while_a_request_holds_kv_and_after(tiny_tokenizer):
+    """The Gateway API Inference Extension's three gauges (queue, running, KV-cache utilization as blocks held over
+    the pool) and the KV layout it reads, scraped mid-stream and after: against the engine's own block count, and
+    a prompt's blocks left in the prefix cache count as free (a new request may take them)."""
+    engine = tiny_engine(tiny_tokenizer, cache_mode="paged", prefix_cache=True, max_new_tokens=64)
+    prompt = PROMPT * 3  # 57 byte tokens: 3 full blocks of 16 and a partial one
+    with running_server(create_app(SlowEngine(engine, delay_s=0.05), make_settings(), "tiny")) as url:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            body = {"prompt": prompt, "max_new_tokens": 32}
+            with client.stream("POST", "/v1/generate/stream", json=body) as stream:
+                lines = stream.iter_lines()
+                while not next(lines).startswith("data: "):  # a token streamed: its KV is held
+                    pass
+                held = gauges(client.get("/metrics").text)
+                for _ in lines:  # to the end
+                    pass
+            after = gauges(client.get("/metrics").text)
+    total = engine.blocks.num_blocks
+    used = held["inferlab_kv_blocks_used"][1]
+    assert held["inferlab_requests_running"][1] == 1 and held["inferlab_requests_waiting"][1] == 0
+    assert -(-len(prompt) // 16) <= used <= -(-(len(prompt) + 32) // 16)  # the prompt's blocks, at most all 32 tokens'
+    assert held["inferlab_kv_cache_usage_perc"] == ({}, used / total) and held["inferlab_kv_blocks_total"][1] == total
+    assert held["inferlab_cache_config_info"] == ({"block_size": "16", "num_gpu_blocks": str(total)}, 1.0)
+    assert after["inferlab_requests_running"][1] == 0 and after["inferlab_kv_cache_usage_perc"][1] == 0.0
+    assert after["inferlab_prefix_cache_blocks"][1] >= 3 and after["inferlab_kv_blocks_used"][1] == 0
+
+
+class NamedReplica(SlowEngine):
+    """The engine as one replica of several answers: its health and counters carry the replica's name."""
+
+    def health(self):
+        return {**self.engine.health(), "replica": "replica-a"}
+
+    def stats(self):
+        return {**self.engine.stats(), "replica": "replica-a"}
+
+
+def test_health_and_metrics_say_which_replica_answered(engine):
+    client = client_for(NamedReplica(engine))
+    health = client.get("/health")
+    assert health.json() == {"status": "ok", "replica": "replica-a", "model": "tiny"}
+    metrics, snapshot = client.get("/metrics"), client.get("/v1/metrics")
+    for r in (health, metrics, snapshot):
+        assert r.headers["x-inferlab-replica"] == "replica-a"
+    assert gauges(metrics.text)["inferlab_kv_cache_usage_perc"] == ({"replica": "replica-a"}, 0.0)
+    assert snapshot.json()["replica"] == "replica-a"
+    assert "x-inferlab-replica" not in client_for(engine).get("/health").headers  # one server: no replica named
 
 
 async def stream_then_disconnect(app, body: dict, after_tokens: int) -> list[bytes]:

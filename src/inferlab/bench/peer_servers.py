@@ -1,4 +1,5 @@
-"""How the serving studies launch each server on the same weights: inferlab-serve, llama.cpp's servers, vLLM's.
+"""How the serving studies launch each server on the same weights: inferlab-serve (one engine, or engine replicas
+on Ray Serve), llama.cpp's servers, vLLM's; or find one already running at a URL (a cluster's endpoint).
 
 Each `ServerSpec` is a command line, its environment, the path that says it is ready, and what to put in
 a request's `model` field. llama.cpp serves the GGUF file itself through its own llama-server (built by
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from inferlab.bench.studies import StudyUnavailable
 from inferlab.bench.studies.common import require
-from inferlab.bench.targets import LaunchedServer, free_port
+from inferlab.bench.targets import LaunchedServer, RunningServer, free_port
 from inferlab.paths import cache_dir, source_tree
 
 HOST = "127.0.0.1"
@@ -33,8 +34,12 @@ class ServerSpec:
     health_path: str = "/health"
     model: str | None = None  # the request's `model` field, for servers that check it
     profiled: bool = False  # it exports the engine's step counters (inferlab-serve: bench/engine_profile.py)
+    pausable: bool = True  # its processes may be stopped while another server is measured (LaunchedServer.pause)
+    url: str | None = None  # already running there: nothing to launch
 
-    def launch(self, startup_timeout_s: float, log_dir: Path) -> LaunchedServer:
+    def launch(self, startup_timeout_s: float, log_dir: Path) -> RunningServer:
+        if self.url is not None:
+            return RunningServer(self.url, startup_timeout_s, self.health_path)
         port = free_port(HOST)
         argv = [a.format(host=HOST, port=port) for a in self.argv]
         return LaunchedServer(
@@ -45,6 +50,7 @@ class ServerSpec:
             log_dir / f"{self.name.replace(' ', '_')}.log",
             self.env,
             self.health_path,
+            self.pausable,
         )
 
 
@@ -63,6 +69,31 @@ def inferlab_server(model: str, overrides: list[str]) -> ServerSpec:
     ]
     name = " ".join(["inferlab", *overrides])
     return ServerSpec(name, argv, " ".join(overrides) or "defaults (precision=auto)", profiled=True)
+
+
+def replicas_server(model: str, num: int, overrides: list[str]) -> ServerSpec:
+    """inferlab-serve-replicas: `num` engine replicas of `model` (a CPU each, threads to match) on a Ray instance of
+    its own, behind Ray Serve's proxy and the prefix-affine router. Never paused: a stopped Ray instance misses its
+    own health checks. Not profiled: /v1/metrics gives one replica's counters, not the load's."""
+    require("ray.serve", "engine replicas on Ray Serve (pip install -e .[replicas])")
+    argv = [
+        sys.executable,
+        "-m",
+        "inferlab.serve_replicas",
+        f"model={model}",
+        f"replicas.num={num}",
+        "server.rate_limit=1000000/minute",
+        *overrides,
+        "server.host={host}",
+        "server.port={port}",
+    ]
+    name = " ".join([f"inferlab {num} replica{'s' * (num != 1)}", *overrides])
+    return ServerSpec(name, argv, " ".join(overrides) or "defaults (precision=auto)", pausable=False)
+
+
+def running_server(name: str, url: str, model: str | None) -> ServerSpec:
+    """A server already running at `url` (a cluster's endpoint, whatever it runs); `model` for the request's field."""
+    return ServerSpec(name, [], f"already running at {url}", model=model, url=url.rstrip("/"), pausable=False)
 
 
 def llama_server(binary: Path, gguf: Path, threads: int, slots: int, slot_ctx: int) -> ServerSpec:

@@ -94,9 +94,51 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class LaunchedServer:
+class RunningServer:
+    """A server already running at `url` (a cluster's endpoint): waited for until `health_path` answers 200, never
+    paused or stopped here."""
+
+    def __init__(self, url: str, startup_timeout_s: float, health_path: str = "/health") -> None:
+        self.url, self.timeout, self.health_path = url, startup_timeout_s, health_path
+
+    def __enter__(self) -> RunningServer:
+        self.wait_healthy()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def check_alive(self) -> None:
+        """Raise if the server can no longer come up (a process that exited)."""
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if httpx.get(f"{self.url}{self.health_path}", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(
+            f"server did not answer {self.url}{self.health_path} within {self.timeout:.0f} s{self.where()}"
+        )
+
+    def where(self) -> str:
+        return ""
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+
+class LaunchedServer(RunningServer):
     """Start `argv` (a server listening on `port`, with `env` added to this process's environment); wait
-    until `health_path` answers 200; stop it on exit."""
+    until `health_path` answers 200; stop it on exit. `pausable`: whether pause() may stop its processes while
+    another server is measured (not a Ray instance, whose own health checks would miss their deadlines)."""
 
     def __init__(
         self,
@@ -107,10 +149,11 @@ class LaunchedServer:
         log_path: Path,
         env: dict[str, str] | None = None,
         health_path: str = "/health",
+        pausable: bool = True,
     ) -> None:
+        super().__init__(f"http://{host}:{port}", startup_timeout_s, health_path)
         self.host, self.port, self.argv, self.env = host, port, argv, env or {}
-        self.url = f"http://{host}:{port}"
-        self.timeout, self.log_path, self.health_path = startup_timeout_s, log_path, health_path
+        self.log_path, self.pausable = log_path, pausable
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> LaunchedServer:
@@ -129,28 +172,22 @@ class LaunchedServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                tail = self.log_path.read_text(errors="replace").strip().splitlines()[-3:]
-                raise RuntimeError(f"server exited with code {self.process.returncode}: {' | '.join(tail)}")
-            try:
-                if httpx.get(f"{self.url}{self.health_path}", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(
-            f"server did not answer {self.url}{self.health_path} within {self.timeout:.0f} s (log: {self.log_path})"
-        )
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"server exited with code {self.process.returncode}: {' | '.join(tail)}")
+
+    def where(self) -> str:
+        return f" (log: {self.log_path})"
 
     def pause(self) -> None:
         """Stop the server's processes where they stand (SIGSTOP), so an idle server takes no CPU time."""
-        os.killpg(self.process.pid, signal.SIGSTOP)
+        if self.pausable:
+            os.killpg(self.process.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
-        os.killpg(self.process.pid, signal.SIGCONT)
+        if self.pausable:
+            os.killpg(self.process.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         """Signal the server's whole process group (its own session): servers such as vLLM run workers."""

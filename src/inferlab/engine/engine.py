@@ -51,7 +51,7 @@ from inferlab.engine.spec.draft_model import loop_drafts
 from inferlab.engine.spec.in_loop import LoopSpeculation
 from inferlab.engine.spec.session import Speculation, stream_events
 from inferlab.engine.stop import TextStream
-from inferlab.errors import CapacityError, InvalidRequestError
+from inferlab.errors import CapacityError, EngineFailedError, InvalidRequestError
 from inferlab.kernels.attention import decode_attention_applies
 from inferlab.kernels.fused_decode import FusedDecode
 from inferlab.model.loader import LoadedModel
@@ -194,6 +194,12 @@ class InferenceEngine:
     def failure(self) -> str | None:
         """Why the engine loop stopped; set once, then every request is refused."""
         return self.loop.failure if self.loop else None
+
+    def health(self) -> dict[str, str]:
+        """What /health says of the engine; EngineFailedError (with the reason) once its loop has stopped."""
+        if self.failure is not None:
+            raise EngineFailedError(self.failure)
+        return {"status": "ok"}
 
     @property
     def fault_hook(self) -> FaultHook | None:
@@ -494,6 +500,9 @@ class InferenceEngine:
             "requests_waiting": len(scheduler.waiting) if scheduler else 0,
             "kv_blocks_used": blocks.num_used if blocks else 0,
             "kv_blocks_total": blocks.num_blocks if blocks else 0,
+            # the share of the pool held by requests (cached blocks no request holds are free to take): the
+            # KV-cache utilization a cluster router (the Gateway API Inference Extension) weighs, from 0 to 1
+            "kv_cache_usage_perc": blocks.num_used / blocks.num_blocks if blocks else 0.0,
             "kv_block_size": blocks.block_size if blocks else 0,  # tokens per block
             "kv_bytes_per_block": self.paged.nbytes // self.paged.num_blocks if self.paged else 0,  # of the tensors
             "kv_tokens_computed": blocks.tokens_computed if blocks else 0,  # KV written: what prefix hits save

@@ -16,7 +16,7 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from inferlab.engine.engine import CONTEXT_MARGIN, InferenceEngine, StreamEvent
-from inferlab.errors import EngineFailedError, NotFoundError, ShuttingDownError
+from inferlab.errors import NotFoundError, ShuttingDownError
 from inferlab.server import openai, tokenize
 from inferlab.server.guards import BodySizeLimit, Gate, Guards, install_error_handlers
 from inferlab.server.metrics import RequestLog, ServerMetrics
@@ -45,7 +45,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
             settings.max_new_tokens_cap,
         )
     guards = Guards(settings)
-    metrics = ServerMetrics(settings.metrics_window, engine.stats)
+    metrics = ServerMetrics(settings.metrics_window)
     dispatcher = Dispatcher(engine, settings)
     generation_errors = errors(settings, *GENERATION_ERRORS)
     app.state.guards = guards  # serve.py sets guards.draining when shutdown starts
@@ -60,12 +60,13 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
         return HTMLResponse(PLAYGROUND.read_text(encoding="utf-8"))
 
     @app.get("/health", responses=errors(settings, 503))
-    def health() -> dict[str, str]:
-        if engine.failure is not None:  # the process exits soon (serve.py); the reason is what to read
-            raise EngineFailedError(engine.failure)
+    def health(request: Request) -> dict[str, str]:
+        # a stopped engine raises EngineFailedError: the process exits soon (serve.py), the reason is what to read
+        answer = engine.health()
+        request.state.record.replica = answer.get("replica")
         if guards.draining:
             raise ShuttingDownError("the server is shutting down")
-        return {"status": "ok", "model": model_name}
+        return {**answer, "model": model_name}
 
     @app.get(
         "/metrics",
@@ -73,12 +74,18 @@ def create_app(engine: InferenceEngine, settings: ServerSettings, model_name: st
         summary="Prometheus text format",
         responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
     )
-    def prometheus() -> Response:
-        return Response(metrics.prometheus(), media_type=CONTENT_TYPE_LATEST)
+    def prometheus(request: Request) -> Response:
+        return Response(metrics.prometheus(engine_stats(request)), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/metrics", responses=errors(settings, 401))
-    def json_metrics() -> dict[str, Any]:
-        return metrics.snapshot()
+    def json_metrics(request: Request) -> dict[str, Any]:
+        return metrics.snapshot(engine_stats(request))
+
+    def engine_stats(request: Request) -> dict[str, Any]:
+        """The engine's counters, once per scrape; a replica's carry its name, which the response's header gives."""
+        stats = engine.stats()
+        request.state.record.replica = stats.get("replica")
+        return stats
 
     card = {
         "id": model_name,

@@ -1,8 +1,14 @@
 """What the server observes: one record per request, logged as one line when the response ends, and
-folded into the JSON (/v1/metrics) and Prometheus (/metrics) views.
+folded into the JSON (/v1/metrics) and Prometheus (/metrics) views beside the engine's counters.
 
 TTFT and TPOT are taken server-side with vLLM's serving-benchmark definitions: TTFT = request arrival -> first
 token ready to send; TPOT = (E2E - TTFT) / (completion_tokens - 1).
+
+The engine's counters are gauges named inferlab_<counter>. A cluster router reads three of them as the Gateway API
+Inference Extension's model-server protocol defines them: inferlab_requests_waiting (TotalQueuedRequests),
+inferlab_requests_running (TotalRunningRequests) and inferlab_kv_cache_usage_perc (KVCacheUtilization, the share of
+KV blocks requests hold, 0 to 1); inferlab_cache_config_info carries the KV block size and pool size as labels, for
+its prefix-cache scorer. Counters that come from a replica (replicas/) carry its name as the `replica` label.
 """
 
 from __future__ import annotations
@@ -13,7 +19,6 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +46,7 @@ class RequestRecord:
     completion_tokens: int = 0
     first_token_at: float | None = None
     error: str | None = None  # the error code of a stream that ended early (timeout, cancelled, ...)
+    replica: str | None = None  # the engine replica that answered, when one did (replicas/): a header
 
     def token(self) -> None:
         if self.first_token_at is None:
@@ -53,8 +59,7 @@ class RequestRecord:
 
 
 class ServerMetrics:
-    def __init__(self, window: int, engine_stats: Callable[[], dict[str, float]]) -> None:
-        self.engine_stats = engine_stats
+    def __init__(self, window: int) -> None:
         self.recent: dict[str, deque[float]] = {k: deque(maxlen=window) for k in ("ttft_ms", "tpot_ms", "e2e_ms")}
         self.registry = CollectorRegistry()  # one per app, so tests can build many apps in one process
         self.requests = Counter(
@@ -69,7 +74,6 @@ class ServerMetrics:
                 ("e2e", "Request arrival to last token"),
             )
         }
-        self.registry.register(_EngineCollector(engine_stats))
         ProcessCollector(registry=self.registry)
         self.process = psutil.Process()
         self.event_loop_thread: int | None = None  # threading.get_ident() of the thread serving requests (RequestLog)
@@ -111,9 +115,9 @@ class ServerMetrics:
             extra={"request": fields},
         )
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, engine_stats: dict[str, Any]) -> dict[str, Any]:
         """/v1/metrics: the engine's counters, latency percentiles over recent requests, server memory."""
-        out: dict[str, Any] = dict(self.engine_stats())
+        out: dict[str, Any] = dict(engine_stats)
         for name, values in self.recent.items():
             array = np.asarray(values, dtype=np.float64)
             out[name] = {f"p{p}": float(np.percentile(array, p)) if array.size else None for p in PERCENTILES}
@@ -128,8 +132,10 @@ class ServerMetrics:
         clocks, to the nanosecond: /proc's 10 ms ticks read the event loop's share of a short load as 0."""
         return {"cpu_s_process": time.process_time(), "cpu_s_event_loop": thread_cpu_seconds(self.event_loop_thread)}
 
-    def prometheus(self) -> bytes:
-        return generate_latest(self.registry)
+    def prometheus(self, engine_stats: dict[str, Any]) -> bytes:
+        """/metrics: the server's own metrics, then the engine's counters of `engine_stats` (one snapshot, so
+        they agree with each other and with /v1/metrics)."""
+        return generate_latest(self.registry) + generate_latest(_EngineGauges(engine_stats))  # type: ignore[arg-type]
 
 
 def thread_cpu_seconds(ident: int | None) -> float:
@@ -140,15 +146,33 @@ def thread_cpu_seconds(ident: int | None) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(ident))
 
 
-class _EngineCollector:
-    """Engine counters read at scrape time, so Prometheus and /v1/metrics agree."""
+@dataclass
+class _EngineGauges:
+    """One snapshot of the engine's counters as Prometheus gauges (a collector generate_latest reads)."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, float]]) -> None:
-        self.engine_stats = engine_stats
+    stats: dict[str, Any]
 
     def collect(self):
-        for name, value in self.engine_stats().items():
-            yield GaugeMetricFamily(f"inferlab_{name}", name.replace("_", " "), value=value)
+        stats = dict(self.stats)
+        replica = stats.pop("replica", None)
+        labels = {"replica": replica} if replica is not None else {}
+        for name, value in stats.items():
+            gauge = GaugeMetricFamily(f"inferlab_{name}", name.replace("_", " "), labels=list(labels))
+            gauge.add_metric(list(labels.values()), value)
+            yield gauge
+        if stats.get("kv_block_size"):
+            info = {
+                **labels,
+                "block_size": str(stats["kv_block_size"]),
+                "num_gpu_blocks": str(stats["kv_blocks_total"]),
+            }
+            config = GaugeMetricFamily(
+                "inferlab_cache_config_info",
+                "KV cache layout (labels); num_gpu_blocks is the pool's size on any device",
+                labels=list(info),
+            )
+            config.add_metric(list(info.values()), 1)
+            yield config
 
 
 REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")  # an incoming X-Request-ID we keep as the request's id
@@ -177,7 +201,10 @@ class RequestLog:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", record.id.encode())]
+                headers = [*message.get("headers", []), (b"x-request-id", record.id.encode())]
+                if record.replica is not None:
+                    headers.append((b"x-inferlab-replica", record.replica.encode()))
+                message["headers"] = headers
             await send(message)
 
         try:

@@ -15,6 +15,11 @@ and the median of those ratios is its `vs_<key>_<value>` column: a shared machin
 cancels in it, where the ratio of two medians keeps it (3 rounds of spec off and spec=self at c=8, the same steps
 run, read 0.89x; 8 rounds, 1.02x).
 
+`study.servers` may name `replicas` too: inferlab-serve-replicas with each of `study.replicas` engine replicas, on a
+Ray instance of its own (the serving_replicas study), which stays running while the others are measured (a stopped Ray
+instance misses its own health checks). `study.endpoints` adds servers already running at a URL (a cluster's
+endpoint), neither started nor paused here.
+
 A peer that is not installed (or, for vLLM, no `study.vllm_python`) gives a row saying so instead. inferlab-serve's
 rows also carry its engine's step profile of each load (bench/engine_profile.py): steps/s, rows per step and each
 phase's ms per step, from its own counters, so a level's figures come with why.
@@ -35,7 +40,15 @@ from tqdm.auto import tqdm
 
 from inferlab.bench.engine_profile import PROFILE_COLUMNS, SPEC_COLUMNS, scrape, step_profile
 from inferlab.bench.loadgen import HTTPTarget, LoadSpec, measure
-from inferlab.bench.peer_servers import ServerSpec, inferlab_server, llama_cpp_tool, llama_server, vllm_server
+from inferlab.bench.peer_servers import (
+    ServerSpec,
+    inferlab_server,
+    llama_cpp_tool,
+    llama_server,
+    replicas_server,
+    running_server,
+    vllm_server,
+)
 from inferlab.bench.prompts import Prompt, load_tokenizer, make_prompts
 from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.model.loader import locate_package_file, model_file
@@ -53,7 +66,7 @@ METRICS = (
 )
 
 
-@register("serving", "serving_spec", "serving_sizes", "kv_pool")
+@register("serving", "serving_spec", "serving_sizes", "kv_pool", "serving_replicas")
 def run(cfg: DictConfig) -> Rows:
     study, load = cfg.study, OmegaConf.to_container(cfg.load, resolve=True)
     model = OmegaConf.to_container(cfg.model, resolve=True)
@@ -189,6 +202,11 @@ def server_specs(cfg: DictConfig, model_name: str, gguf: Path | None) -> tuple[l
     study, threads = cfg.study, torch.get_num_threads()
     makers = {
         "inferlab": lambda: [inferlab_server(model_name, list(overrides)) for overrides in study.inferlab_variants],
+        "replicas": lambda: [
+            replicas_server(model_name, int(num), list(overrides))
+            for num in study.replicas
+            for overrides in study.inferlab_variants
+        ],
         "llama.cpp": lambda: [
             llama_server(
                 llama_cpp_tool("llama-server", study.get("llama_cpp_bin")),
@@ -214,6 +232,7 @@ def server_specs(cfg: DictConfig, model_name: str, gguf: Path | None) -> tuple[l
             specs += makers[name]()
         except StudyUnavailable as e:
             rows.append({"server": name, "output_throughput": None, "note": str(e)})
+    specs += [running_server(e["name"], e["url"], e.get("model")) for e in study.get("endpoints") or ()]
     return specs, rows
 
 
