@@ -15,6 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from inferlab.bench.studies import StudyUnavailable
 from inferlab.bench.studies.common import require
@@ -54,14 +55,24 @@ class ServerSpec:
         )
 
 
-def inferlab_server(model: str, overrides: list[str]) -> ServerSpec:
-    """inferlab-serve with its defaults (precision, cache, scheduler) for `model`, plus `overrides` (which name
-    the server beside others with other overrides: "inferlab precision=bf16 spec=self")."""
+def model_args(model: dict[str, Any]) -> list[str]:
+    """A resolved `model` config group as inferlab-serve's command line: its name, and the file it reads where that
+    is not the preset's own (model.path, a shape preset's model.file_format)."""
+    args = [f"model={model['name']}"]
+    for key in ("path", "file_format"):
+        if model.get(key):
+            args.append(f"model.{key}={model[key]}")
+    return args
+
+
+def inferlab_server(model: list[str], overrides: list[str]) -> ServerSpec:
+    """inferlab-serve with its defaults (precision, cache, scheduler) for `model` (model_args), plus `overrides`
+    (which name the server beside others with other overrides: "inferlab precision=bf16 spec=self")."""
     argv = [
         sys.executable,
         "-m",
         "inferlab.serve",
-        f"model={model}",
+        *model,
         "server.rate_limit=1000000/minute",
         *overrides,
         "server.host={host}",

@@ -57,7 +57,8 @@ def _fresh_pages(nbytes: int) -> Tensor:
     """An anonymous mapping as uint8: the kernel hands its pages over zero-filled, each when first touched, so a
     buffer of zeros costs memory only as far as it is written (a KV pool sized from the memory available holds
     the blocks its sequences have used, not the whole budget)."""
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    # private: a shared anonymous mapping is shmem, which transparent huge pages' "madvise" mode leaves on 4 KiB pages
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -65,7 +65,9 @@ class Job:
     def under(self, name: str, variants: list[list[str]], prompts: list[dict[int, list[Prompt]]]) -> Rows:
         """Enter condition `name` and measure in it inferlab with each list of overrides in `variants` (and
         llama.cpp): batch-1 decode, then serving with a round of loads per entry of `prompts`."""
-        specs = [inferlab_server(self.model, v) for v in variants] + ([self.llama.server] if self.llama else [])
+        specs = [inferlab_server([f"model={self.model}"], v) for v in variants] + (
+            [self.llama.server] if self.llama else []
+        )
         log_dir = self.log_dir / name
         with condition(name) as placement:
             log.info("condition %s: %s", name, placement.mechanism)

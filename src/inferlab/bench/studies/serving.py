@@ -45,6 +45,7 @@ from inferlab.bench.peer_servers import (
     inferlab_server,
     llama_cpp_tool,
     llama_server,
+    model_args,
     replicas_server,
     running_server,
     vllm_server,
@@ -188,10 +189,10 @@ def paired_variants(variants: list[list[str]], paired_with: str | None) -> dict[
     if not paired_with:
         return {}
     key, value = paired_with.split("=", 1)
-    names = {inferlab_server("", list(v)).name: list(v) for v in variants}
+    names = {inferlab_server([], list(v)).name: list(v) for v in variants}
     pairs = {}
     for name, overrides in names.items():
-        partner = inferlab_server("", [paired_with if o.split("=", 1)[0] == key else o for o in overrides]).name
+        partner = inferlab_server([], [paired_with if o.split("=", 1)[0] == key else o for o in overrides]).name
         if partner in names:
             pairs[name] = (f"vs_{key}_{value}", partner)
     return pairs
@@ -200,8 +201,11 @@ def paired_variants(variants: list[list[str]], paired_with: str | None) -> dict[
 def server_specs(cfg: DictConfig, model_name: str, gguf: Path | None) -> tuple[list[ServerSpec], Rows]:
     """The servers this checkout can launch, and a row for each one it cannot (with the reason)."""
     study, threads = cfg.study, torch.get_num_threads()
+    spec = OmegaConf.to_container(cfg.model, resolve=True)
+    assert isinstance(spec, dict)
+    model = model_args(spec)
     makers = {
-        "inferlab": lambda: [inferlab_server(model_name, list(overrides)) for overrides in study.inferlab_variants],
+        "inferlab": lambda: [inferlab_server(model, list(overrides)) for overrides in study.inferlab_variants],
         "replicas": lambda: [
             replicas_server(model_name, int(num), list(overrides))
             for num in study.replicas
