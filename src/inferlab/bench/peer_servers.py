@@ -74,6 +74,7 @@ def inferlab_server(model: list[str], overrides: list[str]) -> ServerSpec:
         "inferlab.serve",
         *model,
         "server.rate_limit=1000000/minute",
+        "server.timeout_s=3600",  # the load generator keeps its own deadline; at 1.7B a c=16 request takes > 30 s
         *overrides,
         "server.host={host}",
         "server.port={port}",
