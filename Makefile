@@ -112,15 +112,19 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-# The CPU-sized studies (sweeps/*.yaml), then the report from every result under outputs/ (< 30 min on 2 cores),
+# The CPU-sized studies (sweeps/*.yaml), then the report from every result under outputs/ (over an hour on 2 cores),
 # after the distilled draft whose spec=draft rows the spec_decode study measures (`make draft`, ~11 min, once per
-# machine: it goes to the cache dir, where spec=draft finds it). The contention study's llama.cpp rows need
-# `make llama-server` first (else they say so).
-REPORT_SWEEPS ?= kv_speedup kv_memory peers threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving serving_spec serving_replicas contention
+# machine: it goes to the cache dir, where spec=draft finds it) and the shape presets' GGUF files the sized studies
+# read (`make model-files`, which builds llama.cpp's programs first: ~25 min once per machine, 8B included).
+SIZE_FORMATS := [BF16,Q8_0,Q4_1,Q4_K_M,Q6_K]  # the shape presets' files the sized studies read (make model-files)
+REPORT_SWEEPS ?= kv_speedup kv_memory load_memory peers peer_sizes threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving serving_spec serving_sizes kv_pool long_context structured serving_replicas contention
 VLLM_PYTHON ?=
 report: setup
 	@draft=$$($(PY) -c 'from inferlab.paths import default_draft_dir; print(default_draft_dir("smollm2-135m"))'); \
 	[ -f "$$draft/config.json" ] || $(MAKE) draft
+	$(MAKE) model-files MODEL=smollm2-360m FORMATS=$(SIZE_FORMATS)
+	$(MAKE) model-files MODEL=smollm2-1.7b FORMATS=$(SIZE_FORMATS)
+	$(MAKE) model-files MODEL=llama-3.1-8b FORMATS=[Q4_1]
 	@set -- $(REPORT_SWEEPS); total=$$#; i=0; start=$$(date +%s); \
 	for sweep in $(REPORT_SWEEPS); do \
 		i=$$((i + 1)); elapsed=$$(($$(date +%s) - start)); \
