@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
+from test_kernels_real_model import decode_logits  # the same prompt and steps, teacher-forced
 
 from inferlab.api import load_engine
 from inferlab.kernels.build import cpu_gemv_available
@@ -20,8 +20,6 @@ from inferlab.quant.requantize_gguf import requantize_gguf
 
 pytestmark = pytest.mark.slow
 
-PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
-STEPS = 12
 MAKERS = ["ours", "llama-quantize"]
 
 
@@ -56,16 +54,6 @@ def engine_on(path: Path, kernels: str, isa: str = "auto"):
         "precision.dtype": "float32",
     }  # fp32 activations on both paths: only summation order differs
     return load_engine(model="local", precision="gguf", cache="contiguous", device="cpu", **overrides)
-
-
-def decode_logits(engine, tokens: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
-    logits, seq = engine.prefill(engine.tokenizer.encode(PROMPT), reserve_tokens=STEPS)
-    fed, out = [], [logits.float()]
-    for step in range(STEPS):
-        fed.append(int(out[-1].argmax()) if tokens is None else tokens[step])
-        out.append(engine.decode_step(fed[-1], seq).float())
-    seq.release()
-    return fed, out
 
 
 def test_auto_picks_the_files_own_formats(q4_k_m):

@@ -215,9 +215,9 @@ def kv_pool(cfg: DictConfig, model: ModelConfig, kv_dtype: torch.dtype) -> KVPoo
     return size_kv_pool(
         compute_kv_cache_bytes(model, 1, 1, kv_dtype),
         cfg.cache.block_size if cfg.cache.mode == "paged" else 1,
-        cfg.cache.get("kv_tokens"),
+        cfg.cache.kv_tokens,
         cfg.cache.kv_budget_mb,
-        float(cfg.cache.get("kv_memory_share", 0.25)),
+        float(cfg.cache.kv_memory_share),
         longest,
     )
 

@@ -9,6 +9,7 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -22,6 +23,8 @@ from inferlab.engine.reference.single import SingleSequence
 from inferlab.engine.sampling import argmax_rows
 from inferlab.kernels.build import use_isa
 from inferlab.kernels.huge_pages import zeros_on_huge_pages
+from inferlab.model.gguf_loader import read_gguf_fields
+from inferlab.model.native_format import GGUF_FILE_TYPE_NAMES
 
 
 def prompt_ids(cfg: DictConfig, engine: InferenceEngine, n_tokens: int, seed: int = 0) -> list[int]:
@@ -126,3 +129,9 @@ def require(module: str, feature: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as e:
         raise StudyUnavailable(f"{feature} is not available yet ({module}: {e})") from e
+
+
+def file_format(gguf: Path) -> str:
+    """The GGUF's file type as llama.cpp names it (Q4_1, Q8_0, BF16, ...)."""
+    file_type = read_gguf_fields(gguf).get("general.file_type")
+    return GGUF_FILE_TYPE_NAMES.get(file_type, str(file_type))

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from inferlab.api import CONF_DIR, engine_from_config, memory_mib
 from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, register
-from inferlab.bench.studies.common import in_fresh_process
+from inferlab.bench.studies.common import file_format, in_fresh_process
 from inferlab.errors import InferlabError
 from inferlab.model.loader import model_file
 from inferlab.quant import weight_bytes
@@ -52,7 +52,7 @@ def measure(cfg: DictConfig) -> Rows:
         path = model_file(spec) or engine.loaded.gguf_path
         row: dict[str, Any] = {
             "model": spec["name"],
-            "file_format": spec.get("file_format") or (path.name.rsplit(".", 2)[-2] if path else None),
+            "file_format": file_format(path) if path else None,
             "precision": engine.config.precision.split(" ")[0],
             "file_mb": path.stat().st_size / MIB if path else None,
             "weights_mb": weights,

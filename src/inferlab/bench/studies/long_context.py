@@ -18,6 +18,7 @@ import httpx
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from inferlab.bench.peer_servers import model_args
 from inferlab.bench.prompts import load_tokenizer, make_prompts
 from inferlab.bench.studies import Rows, register
 from inferlab.bench.targets import LaunchedServer, free_port
@@ -43,7 +44,7 @@ def run(cfg: DictConfig) -> Rows:
             sys.executable,
             "-m",
             "inferlab.serve",
-            *model_overrides(cfg),
+            *model_args(model),
             f"server.limits={limits}",
             f"server.timeout_s={cfg.study.timeout_s}",
             f"server.host={HOST}",
@@ -58,14 +59,6 @@ def run(cfg: DictConfig) -> Rows:
             for n in asked:
                 rows.append({"limits": limits, "prompt_tokens_sent": n, **complete(server.url, text[n], cfg)})
     return rows
-
-
-def model_overrides(cfg: DictConfig) -> list[str]:
-    """The job's model choice as inferlab-serve's command line (the rest at its defaults)."""
-    out = [f"model={cfg.model.name}"]
-    if cfg.model.get("file_format"):
-        out.append(f"model.file_format={cfg.model.file_format}")
-    return out
 
 
 def complete(url: str, prompt: str, cfg: DictConfig) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from inferlab.bench.studies import Rows, StudyUnavailable, register
 from inferlab.bench.studies.common import (
     Runner,
     decode_rate,
+    file_format,
     inferlab_runner,
     prompt_ids,
     read_bandwidth_gb_s,
@@ -43,8 +44,6 @@ from inferlab.bench.studies.common import (
 from inferlab.engine.engine import InferenceEngine
 from inferlab.kernels.build import use_isa
 from inferlab.kernels.isa import supported_isas
-from inferlab.model.gguf_loader import read_gguf_fields
-from inferlab.model.native_format import GGUF_FILE_TYPE_NAMES
 from inferlab.quant.apply import weight_bytes
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -292,12 +291,6 @@ def llama_bench_peer(gguf: Path, precision: str, bin_dir: str | None) -> Peer:
 
     version = llama_cpp_version(binary)
     return Peer(decode, prefill, gguf.stat().st_size, f"llama-bench {version} on {gguf.name}", llama_cpp_isa(binary))
-
-
-def file_format(gguf: Path) -> str:
-    """The GGUF's file type as llama.cpp names it (Q4_1, Q8_0, BF16, ...)."""
-    file_type = read_gguf_fields(gguf).get("general.file_type")
-    return GGUF_FILE_TYPE_NAMES.get(file_type, str(file_type))
 
 
 def llama_cpp_isa(binary: Path) -> str:

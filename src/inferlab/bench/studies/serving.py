@@ -52,6 +52,7 @@ from inferlab.bench.peer_servers import (
 )
 from inferlab.bench.prompts import Prompt, load_tokenizer, make_prompts
 from inferlab.bench.studies import Rows, StudyUnavailable, register
+from inferlab.bench.studies.common import file_format
 from inferlab.model.loader import locate_package_file, model_file
 from inferlab.model.tokenizer import Tokenizer
 
@@ -116,7 +117,7 @@ def run(cfg: DictConfig) -> Rows:
                     "prompt_tokens": int(load["prompt_tokens"]),
                     "output_tokens": int(load["output_tokens"]),  # asked per request
                     "tpot_p95_over_p50": row["p95_tpot_ms"] / row["median_tpot_ms"] if row["median_tpot_ms"] else None,
-                    "file_format": gguf.name.rsplit(".", 2)[-2] if gguf else None,
+                    "file_format": file_format(gguf) if gguf else None,
                     "weights": spec.weights,
                     "note": None,
                 }
