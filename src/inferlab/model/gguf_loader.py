@@ -212,13 +212,12 @@ def load_gguf(
 
     def get(name: str, heads: int | None = None) -> Tensor:
         nonlocal made
-        w = dequantize(tensors[name], dtype)
-        evict(reader, tensors[name])
+        w = read_tensor(reader, tensors[name], dtype, heads)
         made += w.nbytes
         if made >= TRIM_BYTES:  # the conversion's temporaries stay resident in malloc's heap until trimmed
             return_freed_memory()
             made = 0
-        return unpermute_qk(w, heads) if heads else w
+        return w
 
     factors = {n: get(n + ".weight").float().tolist() for n in ROPE_FACTOR_TENSORS if n + ".weight" in tensors}
     config = ModelConfig.from_gguf_fields(meta, "output.weight" in tensors, factors)
@@ -256,14 +255,18 @@ def linear_reader(path: Path, config: ModelConfig, dtype: torch.dtype) -> Callab
     def read(name: str) -> Tensor:
         layer, _, ours = name.removeprefix("layers.").partition(".")
         parts = linear_sources(config, arch, set(tensors), int(layer))[ours]
-        weights = []
-        for part, heads in parts:
-            w = dequantize(tensors[part + ".weight"], dtype)
-            evict(reader, tensors[part + ".weight"])
-            weights.append(unpermute_qk(w, heads) if heads else w)
+        weights = [read_tensor(reader, tensors[part + ".weight"], dtype, heads) for part, heads in parts]
         return torch.cat(weights) if len(weights) > 1 else weights[0]
 
     return read
+
+
+def read_tensor(reader: GGUFFile, tensor: GGUFTensor, dtype: torch.dtype, heads: int | None = None) -> Tensor:
+    """One file tensor in `dtype` (q/k rows un-permuted by `heads`), its file pages then dropped from the resident
+    set."""
+    w = dequantize(tensor, dtype)
+    evict(reader, tensor)
+    return unpermute_qk(w, heads) if heads else w
 
 
 BLOCK_WEIGHTS = 32  # weights per block of Q4_1 and of Q8_0
