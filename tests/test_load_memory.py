@@ -123,7 +123,8 @@ def test_kquant_gguf_holds_at_most_its_file_beside_torch(tmp_path):
     path = requantize_gguf(source, tmp_path / "SmolLM2-135M-Instruct.Q4_K_M.gguf", "Q4_K_M")
     m = measure(
         "from inferlab import load_engine",
-        f"engine = load_engine(model='local', precision='auto', device='cpu', **{{'model.path': {str(path)!r}}})",
+        f"engine = load_engine(model='local', precision='auto', device='cpu', **{{'model.path': {str(path)!r}, "
+        "'device.dense_copy_mb': 0})",
         "dict(precision=engine.config.precision, peak_load=engine.load_stats['load_peak_rss_mb'])",
     )
     file_mib = path.stat().st_size / 2**20
