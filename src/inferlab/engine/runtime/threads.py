@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -98,7 +99,10 @@ def omp_set_num_threads() -> Callable[[int], None] | None:
         return None
     with open("/proc/self/maps") as maps:
         paths = {line.split()[-1] for line in maps if any(name in line for name in OPENMP_RUNTIMES)}
-    for path in sorted(paths):
+    # torch's own first: the C++ kernels (or another package) may load the system's libgomp beside torch's bundled
+    # one, and setting that one's count leaves torch's forwards on their full team
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    for path in sorted(paths, key=lambda p: (not p.startswith(torch_lib), p)):
         try:
             return ctypes.CDLL(path).omp_set_num_threads
         except (OSError, AttributeError):
