@@ -21,7 +21,7 @@ import pytest
 from conftest import running_server, tiny_engine
 from test_server import make_settings
 
-from inferlab.engine.grammar import Constraint, GrammarCompiler, fill_masks
+from inferlab.engine.grammar import Constraint, GrammarCompiler, TokenGrammar
 from inferlab.engine.spec.proposers import NgramDrafter
 from inferlab.engine.spec.session import Speculation
 from inferlab.errors import InvalidRequestError
@@ -424,28 +424,56 @@ def test_real_model_spec_self_keeps_a_schemas_greedy_tokens():
     assert engine.stats()["spec_accepted"] > 0
 
 
-def test_masks_filled_together_are_each_grammars_own(tiny_tokenizer):
-    """fill_masks (one parallel call for a step's constrained requests) gives every grammar the mask it computes
-    alone, at every position of a JSON document and a regex match."""
+def test_one_token_checks_agree_with_the_mask(tiny_tokenizer):
+    """TokenGrammar.allows (one token checked, the engine loop's way for a greedy request's argmax) says of every
+    token what the whole vocabulary's mask says, at every position of a JSON document and a regex match."""
     compiler = GrammarCompiler(tiny_tokenizer, 300)
-    constraints = [
-        Constraint("json", SCHEMAS["numbers"], "guided_json"),
-        Constraint("regex", "[a-c]+z", "guided_regex"),
+    cases = [
+        (Constraint("json", SCHEMAS["numbers"], "guided_json"), '{"age": 41, "height_m": 1.8, "score": -3}'),
+        (Constraint("regex", "[a-c]+z", "guided_regex"), "abcabz"),
     ]
-    texts = ['{"age": 41, "height_m": 1.8, "score": -3}', "abcabz"]
-    together = [compiler.start(c) for c in constraints]
-    alone = [compiler.start(c) for c in constraints]
-    streams = [tiny_tokenizer.encode(t) for t in texts]
-    for step in range(max(len(s) for s in streams)):
-        live = [i for i, s in enumerate(streams) if step < len(s)]
-        fill_masks([together[i] for i in live])
-        assert all(together[i].filled for i in live) or len(live) < 2
-        for i in live:
-            assert (together[i].forbidden() == alone[i].forbidden()).all()
-            assert not together[i].forbidden()[streams[i][step]]
-            together[i].advance(streams[i][step])
-            alone[i].advance(streams[i][step])
-    assert all(g.complete for g in together) or all(g.matcher.is_accepting() for g in together)
+    for constraint, text in cases:
+        grammar = compiler.start(constraint)
+        for token in tiny_tokenizer.encode(text) + [None]:
+            forbidden = grammar.forbidden()
+            assert [grammar.allows(t) for t in range(300)] == [not f for f in forbidden.tolist()]
+            if token is not None:
+                grammar.advance(token)
+        assert grammar.complete
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [Constraint("regex", "[^#]{4,40}", "guided_regex"), Constraint("json", SCHEMAS["numbers"], "guided_json")],
+)
+def test_the_loops_argmax_check_gives_the_masked_tokens(tiny_tokenizer, constraint, monkeypatch):
+    """Greedy constrained requests in the engine loop (which takes a step's argmax where its bit in the grammar's mask
+    is set, and masks the whole row only where it is not) give the tokens of the single-sequence path, which masks every row; both
+    ways were taken."""
+    prompt, calls = "the cat sat on", {"unpacked": 0, "checks": 0}
+    allows, forbidden = TokenGrammar.allows, TokenGrammar.forbidden
+
+    def counted(name, method):
+        def wrapper(self, *args):
+            calls[name] += 1
+            return method(self, *args)
+
+        return wrapper
+
+    single = tiny_engine(tiny_tokenizer, "contiguous", max_new_tokens=40)
+    params = single.sampling_params(max_new_tokens=40, constraint=constraint)
+    want = [e.token_id for e in single.iter_events(single.encode_prompt(prompt), params) if e.token_id is not None]
+    single.close()
+    monkeypatch.setattr(TokenGrammar, "allows", counted("checks", allows))
+    monkeypatch.setattr(TokenGrammar, "forbidden", counted("unpacked", forbidden))
+    loop = tiny_engine(tiny_tokenizer, "paged", max_new_tokens=40)
+    assert loop.route("generate") != single.route("generate")
+    got = [e.token_id for e in loop.iter_events(loop.encode_prompt(prompt), params) if e.token_id is not None]
+    loop.close()
+    assert got == want and len(got) > 3
+    assert calls["checks"] in (len(got), len(got) + 1)  # one per token (and the closing EOS)
+    # the random model's argmax is mostly outside a JSON document's next tokens, and often inside the regex's
+    assert 0 < calls["unpacked"] < calls["checks"] if constraint.kind == "regex" else calls["unpacked"] > 0
 
 
 def test_tools_and_tool_messages_reach_the_chat_template(tiny_tokenizer):

@@ -97,16 +97,28 @@ class TokenGrammar:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self.matcher, self.vocab_size = matcher, vocab_size
         self.bitmask = mask_words(1, vocab_size)
+        self.words = self.bitmask.numpy()[0]
         self.masked = torch.empty(vocab_size)  # the last masked row, reused: a fresh 200 kB array each token costs more
-        self.filled = False  # `bitmask` already holds the next token's mask (fill_masks)
+        self.current = False  # `bitmask` holds the mask of the grammar's present state
+
+    def _compute(self) -> None:
+        if not self.current:
+            self.matcher.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.nbytes)
+            self.current = True
+
+    def allows(self, token: int) -> bool:
+        """Whether the mask lets `token` come next: its bit alone. A greedy request whose grammar allows its logits'
+        argmax takes that token as it is (the masked row's argmax), which spares the whole row's masking and second
+        argmax for most tokens of a model that follows its prompt. (The mask, not llguidance's one-token check: that
+        one accepts a token the mask leaves out for a longer one, ' {' where the grammar's next bytes are ' {"'.)"""
+        self._compute()
+        return bool(int(self.words[token >> 5]) >> (token & 31) & 1)
 
     def forbidden(self) -> np.ndarray:
         """(vocab,) bool: the tokens the grammar does not allow next (all but EOS once it is complete); bit i of
         the mask's word w is token 32 * w + i."""
-        if not self.filled:
-            self.matcher.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.nbytes)
-        self.filled = False
-        bits = np.unpackbits((~self.bitmask.numpy()).view(np.uint8), bitorder="little")
+        self._compute()
+        bits = np.unpackbits((~self.words).view(np.uint8), bitorder="little")
         return bits.view(np.bool_)[: self.vocab_size]
 
     def mask(self, logits: Tensor) -> Tensor:
@@ -121,6 +133,7 @@ class TokenGrammar:
 
     def advance(self, token: int) -> None:
         """The request accepted `token` (one the mask allowed)."""
+        self.current = False
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
 
@@ -142,27 +155,8 @@ class TokenGrammar:
             consumed += 1
         if consumed:
             self.matcher.rollback(consumed)
+            self.current = False
         return masked
-
-
-_executor: llguidance.LLExecutor | None = None
-
-
-def fill_masks(grammars: list[TokenGrammar]) -> None:
-    """The next-token masks of a step's constrained requests at once, on llguidance's own threads (each request's
-    `mask` then reads its own): the engine loop would otherwise compute them one after another between the step's
-    forward and its tokens."""
-    global _executor
-    if len(grammars) < 2:
-        return
-    if _executor is None:
-        _executor = llguidance.LLExecutor()
-    bitmask = mask_words(len(grammars), grammars[0].vocab_size)
-    matchers = [(g.matcher, i) for i, g in enumerate(grammars)]
-    _executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), bitmask[0].nbytes, len(grammars))
-    for grammar, row in zip(grammars, bitmask):
-        grammar.bitmask[0] = row
-        grammar.filled = True
 
 
 def mask_words(rows: int, vocab_size: int) -> Tensor:

@@ -24,7 +24,6 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor
 
-from inferlab.engine.grammar import fill_masks
 from inferlab.engine.kv.block_manager import BlockManager
 from inferlab.engine.kv.paged import PagedKVCache
 from inferlab.engine.model_runner import FlatBatch, Segment, forward_flat, runs_fused
@@ -202,7 +201,6 @@ class EngineLoop:
                     self._run([item], drafts)
             return
         with self.stats.timed("sample"):
-            fill_masks([r.grammar for r, n in work if r.grammar is not None and samples_now(r, n, r in drafts)])
             for (request, n), rows, token in zip(work, logits, argmax):
                 try:
                     events = self._sample(request, rows, n, request in drafts, token)
@@ -270,12 +268,6 @@ def segment(request: Request, n: int, drafts: list[int]) -> Segment:
     start = request.kv.num_computed
     n_logits = n if request.records_prompt_logits else int(start + n == request.num_tokens) + len(drafts)
     return Segment(request.token_ids[start : start + n] + drafts, start, request.kv.blocks, n_logits)
-
-
-def samples_now(request: Request, n: int, drafted: bool) -> bool:
-    """Whether the step that fed `request` its next `n` tokens samples its next one from a single row (a drafted
-    decode verifies several rows instead)."""
-    return not drafted and request.kv.num_computed + n == request.num_tokens and request.max_new_tokens > 0
 
 
 def last_row_argmax(logits: Tensor, counts: list[int]) -> list[int | None]:

@@ -115,10 +115,11 @@ class Request:
         generator, accepted; a request that generates nothing (max_new_tokens=0, echo only) just closes.
 
         `argmax` is the logits' argmax where the caller took every request's at once (the engine loop): a
-        greedy request whose history and grammar change nothing takes it as its token."""
+        greedy request whose history changes nothing takes it as its token, where its grammar (if any) allows it."""
         if self.max_new_tokens == 0:
             return [self._close("length")]
-        if argmax is not None and self.params.greedy and not changes_logits(self.params) and self.grammar is None:
+        takes_argmax = argmax is not None and self.params.greedy and not changes_logits(self.params)
+        if takes_argmax and (self.grammar is None or self.grammar.allows(argmax)):
             token = argmax
         else:
             processed = process_logits(logits, self.params, self.prompt_ids, self.output_ids, self.eos_ids)
