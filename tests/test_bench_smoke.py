@@ -118,7 +118,7 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
         expected = [widest, *(i for i in result["config"]["study"]["isas"] if i in supported_isas() and i != widest)]
     assert [row["isa"] for row in inferlab] == expected
     rows = {row["engine"]: row for row in result["rows"]}
-    assert set(rows) == {"inferlab", "transformers", "llama.cpp"}
+    assert set(rows) == {"inferlab", "transformers", "llama.cpp", "openvino"}
     assert rows["transformers"]["decode_tok_s"] is None and "no int4 path" in rows["transformers"]["note"]
     measured = [row for row in rows.values() if row["decode_tok_s"] is not None]
     assert rows["inferlab"] in measured
@@ -135,6 +135,10 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
         assert "make llama-server" in rows["llama.cpp"]["note"]
     else:  # llama-bench on the job's own file
         assert rows["llama.cpp"]["note"].startswith("llama-bench") and rows["llama.cpp"]["note"].endswith("Q4_1.gguf")
+    if rows["openvino"]["decode_tok_s"] is None:  # its venv is not made here
+        assert "make openvino" in rows["openvino"]["note"]
+    else:  # OpenVINO GenAI's pipeline on the job's own file, in its worker process
+        assert rows["openvino"]["note"].startswith("OpenVINO GenAI") and "Q4_1.gguf" in rows["openvino"]["note"]
 
 
 def test_a_paired_prefill_is_timed_beside_ours_in_turns_and_given_as_its_seconds_over_ours():

@@ -1,4 +1,5 @@
-"""peers: batch-1 decode and prompt tokens/s of inferlab, Hugging Face transformers and llama.cpp on the same GGUF.
+"""peers: batch-1 decode and prompt tokens/s of inferlab, Hugging Face transformers, llama.cpp and OpenVINO GenAI on the
+same GGUF.
 
 Every engine is timed the same way: token arrival times while generating `new_tokens` greedy tokens after
 the same prompt ids, decode rate = (n - 1) / (t_last - t_first), and the seconds one forward over a prompt
@@ -28,6 +29,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from inferlab.api import engine_from_config, precision_config
+from inferlab.bench import openvino_worker
 from inferlab.bench.peer_servers import llama_cpp_tool, llama_cpp_version
 from inferlab.bench.progress import progress
 from inferlab.bench.studies import Rows, StudyUnavailable, register
@@ -63,6 +65,7 @@ class Peer:
     note: str
     isa: str
     paired: tuple[str, Prefill] | None = None  # (precision, its engine's prefill) timed beside ours
+    close: Callable[[], None] = lambda: None  # ends what the peer started (a worker process)
 
 
 @register("peers", "peer_sizes")
@@ -78,6 +81,7 @@ def run(cfg: DictConfig) -> Rows:
     makers: dict[tuple[str, str | None], Callable[[], Peer]] = {
         ("transformers", None): lambda: transformers_peer(gguf, cfg.precision, engine.config.device),
         ("llama.cpp", None): lambda: llama_bench_peer(gguf, cfg.precision.name, cfg.study.get("llama_cpp_bin")),
+        ("openvino", None): lambda: openvino_peer(gguf, cfg.precision.name, cfg.study.get("openvino_python")),
     }
     for isa, isa_engine in inferlab_engines(cfg, engine).items():
         makers["inferlab", isa] = lambda e=isa_engine, isa=isa: Peer(
@@ -124,10 +128,14 @@ def run(cfg: DictConfig) -> Rows:
         return bandwidth, rates
 
     warmup = int(m.warmup)
-    for i in range(1, warmup + 1):
-        one_round(i)
-    repeats = progress(range(warmup + 1, warmup + 1 + int(m.repeats)), f"peers {cfg.precision.name} rounds")
-    rounds = [one_round(i) for i in repeats]
+    try:
+        for i in range(1, warmup + 1):
+            one_round(i)
+        repeats = progress(range(warmup + 1, warmup + 1 + int(m.repeats)), f"peers {cfg.precision.name} rounds")
+        rounds = [one_round(i) for i in repeats]
+    finally:
+        for peer in peers.values():
+            peer.close()
     rows = [{**row, **common} for row in unavailable]
     for key, peer in peers.items():
         medians = {column: statistics.median(rates[key][column] for _, rates in rounds) for column in rounds[0][1][key]}
@@ -291,6 +299,50 @@ def llama_bench_peer(gguf: Path, precision: str, bin_dir: str | None) -> Peer:
 
     version = llama_cpp_version(binary)
     return Peer(decode, prefill, gguf.stat().st_size, f"llama-bench {version} on {gguf.name}", llama_cpp_isa(binary))
+
+
+def openvino_peer(gguf: Path, precision: str, python: str | None) -> Peer:
+    """OpenVINO GenAI's LLMPipeline on the same file, in the venv of `python` (`make openvino`), through
+    bench/openvino_worker.py: decode tok/s from its own time per output token over `n` greedy tokens (EOS ignored),
+    prefill seconds from its own time to first token of a one-token generation. It reads the GGUF's blocks into its
+    own CPU formats (the Q4_1, Q8_0 and Q6_K files here; BF16 and Q4_K_M ones it refuses), so, like llama.cpp, it has a
+    counterpart only where the job serves the file's format."""
+    if not python or not Path(python).is_file():
+        raise StudyUnavailable(f"OpenVINO GenAI: no study.openvino_python ({python}); `make openvino` makes its venv")
+    if precision not in ("gguf", LLAMA_CPP_FORMATS.get(file_format(gguf))):
+        raise StudyUnavailable(f"OpenVINO GenAI runs {gguf.name} as stored ({file_format(gguf)}), not as {precision}")
+    worker = subprocess.Popen(
+        [python, openvino_worker.__file__, str(gguf), str(torch.get_num_threads())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert worker.stdin is not None and worker.stdout is not None
+    stdin, stdout = worker.stdin, worker.stdout
+
+    def close() -> None:
+        stdin.close()
+        worker.wait(timeout=60)
+
+    hello = json.loads(stdout.readline() or '{"error": "the worker exited"}')
+    if "error" in hello:
+        close()
+        raise StudyUnavailable(f"OpenVINO GenAI cannot load {gguf.name}: {hello['error']}")
+
+    def generate(ids: list[int], n: int) -> dict[str, float]:
+        stdin.write(json.dumps({"ids": ids, "new_tokens": n}) + "\n")
+        stdin.flush()
+        return json.loads(stdout.readline())
+
+    return Peer(
+        lambda ids, n: 1e3 / generate(ids, n)["tpot_ms"],
+        lambda ids: generate(ids, 1)["ttft_ms"] / 1e3,
+        gguf.stat().st_size,
+        f"OpenVINO GenAI {hello['version'].split('-')[0]} LLMPipeline on {gguf.name} (converted at load)",
+        "openvino cpu",
+        close=close,
+    )
 
 
 def llama_cpp_isa(binary: Path) -> str:
