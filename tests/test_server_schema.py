@@ -4,6 +4,7 @@ tiny-random model, with auth off and on: every route and field, zero failures.""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -108,7 +109,10 @@ def test_schemathesis_all_checks_find_nothing(tmp_path, api_keys, examples):
         ]
         if api_keys:
             command += ["--header", f"Authorization: Bearer {KEY}"]
-        run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        hooks = {"SCHEMATHESIS_HOOKS": "schemathesis_hooks", "PYTHONPATH": str(Path(__file__).parent)}
+        run = subprocess.run(
+            command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, **hooks}
+        )
     assert run.returncode == 0, run.stdout[-6000:]
     selected = re.search(r"Selected: (\d+)/(\d+)", run.stdout)
     tested = re.search(r"Tested: (\d+)", run.stdout)
