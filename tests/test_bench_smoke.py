@@ -128,6 +128,9 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
         assert row["pct_roofline"] == pytest.approx(100 * row["decode_tok_s"] / row["roofline_tok_s"])
         assert row["prefill_32_tok_s"] > 0  # a prefill column per prompt length, per engine
     assert len({row["bandwidth_gb_s"] for row in inferlab}) == 1  # one weight size, one probe for every build
+    # the dequantized copies each inferlab engine keeps for prompts (the peers' are not known)
+    assert all(row["dense_copy_mb"] >= 0 for row in inferlab)
+    assert all(row.get("dense_copy_mb") is None for row in measured if row["engine"] != "inferlab")
     # the job's own build alone is paired with the same engine at bf16, on the same prompts
     assert inferlab[0]["prefill_32_vs_bf16"] > 0
     assert all("prefill_32_vs_bf16" not in row for row in result["rows"] if row is not inferlab[0])

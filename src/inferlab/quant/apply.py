@@ -66,6 +66,12 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
+def dense_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the dequantized copies quantized layers keep for many-row steps (kernels/layer.py: DenseCopyLayer):
+    memory beside the weights that a decode step does not read."""
+    return sum(m.dense.nbytes for m in model.modules() if getattr(m, "dense", None) is not None)
+
+
 def module_bytes(module: nn.Module) -> int:
     """Bytes of a module's state dict: what a product with its weights reads."""
     return sum(t.nbytes for t in module.state_dict().values())

@@ -20,7 +20,7 @@ from inferlab.bench.studies import Rows, register
 from inferlab.bench.studies.common import file_format, in_fresh_process
 from inferlab.errors import InferlabError
 from inferlab.model.loader import model_file
-from inferlab.quant import weight_bytes
+from inferlab.quant import dense_copy_bytes, weight_bytes
 
 MIB = 2**20
 
@@ -48,7 +48,7 @@ def measure(cfg: DictConfig) -> Rows:
     try:
         stats = engine.load_stats
         weights = weight_bytes(engine.model) / MIB
-        dense = sum(m.dense.nbytes for m in engine.model.modules() if getattr(m, "dense", None) is not None) / MIB
+        dense = dense_copy_bytes(engine.model) / MIB
         path = model_file(spec) or engine.loaded.gguf_path
         row: dict[str, Any] = {
             "model": spec["name"],

@@ -46,7 +46,7 @@ from inferlab.bench.studies.common import (
 from inferlab.engine.engine import InferenceEngine
 from inferlab.kernels.build import use_isa
 from inferlab.kernels.isa import supported_isas
-from inferlab.quant.apply import weight_bytes
+from inferlab.quant import dense_copy_bytes, weight_bytes
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA_CPP_FORMATS = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "Q8_0": "int8", "Q4_1": "int4"}
@@ -65,6 +65,7 @@ class Peer:
     note: str
     isa: str
     paired: tuple[str, Prefill] | None = None  # (precision, its engine's prefill) timed beside ours
+    dense_copy_bytes: int | None = None  # dequantized copies held for many-row steps (inferlab's; None: not known)
     close: Callable[[], None] = lambda: None  # ends what the peer started (a worker process)
 
 
@@ -91,6 +92,7 @@ def run(cfg: DictConfig) -> Rows:
             e.loaded.source,
             isa or engine.config.device.type,
             paired_prefill(cfg, isa, cfg.study.get("prefill_paired_with")) if e is engine else None,
+            dense_copy_bytes=dense_copy_bytes(e.model),
         )
     common = {
         "file_format": file_format(gguf),
@@ -147,6 +149,7 @@ def run(cfg: DictConfig) -> Rows:
                 "isa": peer.isa,
                 **medians,
                 "weight_mb": peer.weight_bytes / 2**20,
+                "dense_copy_mb": None if peer.dense_copy_bytes is None else peer.dense_copy_bytes / 2**20,
                 "roofline_tok_s": roofline,
                 "pct_roofline": 100.0 * medians["decode_tok_s"] / roofline,
                 "note": peer.note,
