@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from inferlab.api import engine_from_config
 from inferlab.bench.studies import Rows, StudyUnavailable, register
-from inferlab.bench.studies.common import prompt_ids, read_bandwidth_gb_s, sync
+from inferlab.bench.studies.common import file_format, prompt_ids, read_bandwidth_gb_s, sync
 from inferlab.engine.engine import InferenceEngine
 from inferlab.engine.kv.contiguous import compute_kv_cache_bytes
 from inferlab.engine.reference.single import PagedSequence, SingleSequence, forward_together
@@ -89,7 +89,7 @@ class Decoding:
         return time.perf_counter() - start
 
 
-@register("profile")
+@register("profile", "profile_sizes")
 def run(cfg: DictConfig) -> Rows:
     engine = engine_from_config(cfg)
     sequences = sorted(int(b) for b in cfg.study.sequences)
@@ -97,6 +97,7 @@ def run(cfg: DictConfig) -> Rows:
         raise StudyUnavailable("several sequences decode together on the paged cache: use cache=paged")
     m = cfg.measure
     steps, warmup = int(m.profile_steps), max(int(m.warmup), 1)
+    stored_format = file_format(engine.loaded.gguf_path) if engine.loaded.gguf_path else None
     decodings: dict[int, Decoding] = {}
     try:
         for batch in sequences:  # prompts of their own: nothing shared through the prefix cache
@@ -114,7 +115,7 @@ def run(cfg: DictConfig) -> Rows:
                 one_sequence = {row["op"]: row["self_ms_per_step"] for row in ops} | {"": step_ms[batch]}
                 one_floor_ms = memory["memory_floor_ms"]
             for row in ops:
-                row |= {"sequences": batch, "step_ms": step_ms[batch], **memory}
+                row |= {"sequences": batch, "step_ms": step_ms[batch], "file_format": stored_format, **memory}
                 if one_sequence:
                     row["speedup_ceiling"] = batch * one_sequence[""] / step_ms[batch]
                     row["memory_ceiling"] = batch * one_floor_ms / memory["memory_floor_ms"]
