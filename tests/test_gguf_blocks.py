@@ -16,7 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from inferlab.api import load_engine
 from inferlab.errors import QuantizationError
-from inferlab.kernels.build import cpu_gemv_available, int4_tile_rows, kernel_ops
+from inferlab.kernels.build import cpu_gemv_available, int4_tile_rows, kernel_ops, use_isa
+from inferlab.kernels.isa import supported_isas
 from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, dequantize_blocks
 from inferlab.model.transformer import RMSNorm
 from inferlab.quant.gguf_linear import GGUFBlockLinear
@@ -123,7 +124,10 @@ def test_stacked_parts_each_in_its_format(isa, one_thread):
     parts = [("Q4_K", random_blocks("Q4_K", 64, 2, seed=4)), ("Q6_K", random_blocks("Q6_K", 32, 2, seed=5))]
     layer = GGUFBlockLinear(linear, parts)
     reference = GGUFBlockLinear(linear, parts, use_kernel=False)
-    assert layer.kernel_weights().stacked and reference.kernel_weights() is None
+    weights = layer.kernel_weights()
+    assert weights.stacked and reference.kernel_weights() is None
+    assert [p.format for p in weights.every_part()] == ["q4_k_tiles", "gguf"]  # Q4_K as the int4 kernel's tiles
+    assert all(torch.equal(held, given) for (_, held), (_, given) in zip(layer.parts(), parts))
     norm = RMSNorm(512, 1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(512) + 0.5)
@@ -135,6 +139,29 @@ def test_stacked_parts_each_in_its_format(isa, one_thread):
         codes = 0.5 * normed.abs().amax(dim=1, keepdim=True) / 16383 * w.abs().sum(dim=1)
         floats = 2e-6 * (normed.abs() @ w.abs().T)
         assert ((got - expected).double().abs() <= codes + floats).all()
+
+
+@needs_kernels
+def test_q4_k_tiles_are_laid_out_again_for_another_build(isa, one_thread):
+    """A layer's Q4_K tiles made under one kernel build serve another whose blocks of tile rows differ (tests switch
+    builds; avx2's are 8 rows, avx512's 16): laid out again from the same blocks, to the same products."""
+    linear = torch.nn.Linear(512, 64, bias=False)
+    blocks = random_blocks("Q4_K", 64, 2, seed=9)
+    layer = GGUFBlockLinear(linear, [("Q4_K", blocks)])
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        expected = layer(x)
+    for other in supported_isas():
+        use_isa(other)
+        try:
+            weights = layer.kernel_weights()
+            assert weights.format == "q4_k_tiles" and weights.weight.shape[2] == int4_tile_rows()
+            assert torch.equal(layer.parts()[0][1], blocks)
+            with torch.no_grad():
+                got = layer(x)
+            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), other
+        finally:
+            use_isa(isa)
 
 
 def tiny_llama(hidden: int) -> LlamaForCausalLM:
