@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from inferlab.quant.int4 import pack_nibbles, unpack_nibbles
 from inferlab.quant.kquants import pack_k_scales, unpack_k_scales
 
 SUPER = 256  # weights per Q4_K block (a super-block)
@@ -31,9 +30,7 @@ def q4_k_tiles(blocks: Tensor, rows: int) -> Tensor:
     tiles = n // rows
     d, dmin = (blocks[..., i : i + 2].contiguous().view(torch.float16)[..., 0] for i in (0, 2))  # (N, S)
     sc, m = unpack_k_scales(blocks[..., 4:16])  # (N, S, 8)
-    nibbles = blocks[..., 16:].reshape(n, supers, SUBS // 2, 1, 32)
-    codes = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=3).reshape(n, -1)  # sub-block 2c: low nibbles of quarter c
-    chunks = pack_nibbles(codes).view(torch.int32).view(tiles, rows, -1).transpose(1, 2)
+    chunks = _nibble_rows(blocks[..., 16:]).view(torch.int32).view(tiles, rows, -1).transpose(1, 2)
 
     def lanes(t: Tensor) -> Tensor:  # (N, S, ...) -> (N / rows, S, ..., rows)
         return t.reshape(tiles, rows, supers, -1).permute(0, 2, 3, 1)
@@ -49,9 +46,8 @@ def q4_k_blocks(tiles: Tensor) -> Tensor:
     count, values, rows = tiles.shape
     supers = values // (SUPER // 8 + LINES)
     chunks, lines = tiles.split([supers * SUPER // 8, supers * LINES], dim=1)
-    codes = unpack_nibbles(chunks.transpose(1, 2).reshape(count * rows, -1).contiguous().view(torch.uint8))
-    pairs = codes.view(-1, supers, SUBS // 2, 2, 32)
-    nibbles = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(-1, supers, SUPER // 2)
+    rows_of_codes = chunks.transpose(1, 2).reshape(count * rows, -1).contiguous().view(torch.uint8)
+    nibbles = _q4_k_nibbles(rows_of_codes.view(-1, supers, SUPER // 2))
 
     def rows_first(t: Tensor) -> Tensor:  # (N / rows, S, k, rows) -> (N, S, k)
         return t.permute(0, 3, 1, 2).reshape(count * rows, supers, -1)
@@ -62,3 +58,26 @@ def q4_k_blocks(tiles: Tensor) -> Tensor:
     d, dmin = factors[..., 0], -factors[..., 1]
     header = torch.stack((d, dmin), dim=-1).contiguous().view(torch.uint8)  # (N, S, 4)
     return torch.cat((header, pack_k_scales(subs[..., :SUBS], subs[..., SUBS:]), nibbles), dim=-1)
+
+
+# Nibbles from one layout to the other byte-wise, two codes a byte (unpacked to a byte a code and packed again, a
+# 16384 x 2048 layer took 1.9x as long). Q4_K: quarter c's byte l holds column l of sub-block 2c (low nibble) and of 2c + 1 (high); nibble rows
+# (quant/int4.py's pack_nibbles): each sub-block's columns 2i and 2i + 1 in the low and high nibble of a byte.
+
+
+def _nibble_rows(quarters: Tensor) -> Tensor:
+    """Q4_K's code bytes (N, S, 128) -> nibble rows (N, S * 128)."""
+    pairs = quarters.reshape(*quarters.shape[:2], SUBS // 2, 16, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]  # columns 2i and 2i + 1 of the quarter's two sub-blocks
+    low = (even & 0x0F) | (odd << 4)
+    high = (even >> 4) | (odd & 0xF0)
+    return torch.stack((low, high), dim=3).reshape(quarters.shape[0], -1)
+
+
+def _q4_k_nibbles(rows: Tensor) -> Tensor:
+    """_nibble_rows undone: (N, S, 128) nibble rows -> Q4_K's code bytes (N, S, 128)."""
+    subs = rows.reshape(*rows.shape[:2], SUBS // 2, 2, 16)
+    low, high = subs[..., 0, :], subs[..., 1, :]  # sub-blocks 2c and 2c + 1, two columns a byte
+    even = (low & 0x0F) | (high << 4)
+    odd = (low >> 4) | (high & 0xF0)
+    return torch.stack((even, odd), dim=-1).reshape(rows.shape)
