@@ -346,8 +346,8 @@ void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* 
 // weights are laid out as these tiles at load (quant/gguf_tiles.py), with their own scale lines (super_blocks): per
 // super-block of 256 columns one line of the rows' fp16 d, then their fp16 -dmin, then the 6-bit sc and m of its 8
 // sub-blocks as int8 lines (8 x L::N each): 148 bytes a row per 256 columns where the file's blocks take 144 (sc and m
-// a byte each, not 6 bits), and exact, where an fp16 scale d * sc would round. Each block's scale and min are their products in fp32 (11 by 6 bits: exact), made once per
-// block for every activation row.
+// a byte each, not 6 bits), and exact, where an fp16 scale d * sc would round: each block's scale and min are their
+// products in fp32 (11 by 6 bits: exact), made once per block for every activation row.
 struct Int4Format {
   using L = Wide;
   static constexpr int kChunk = kDecodeRows;  // activation rows per pass over a tiled block
