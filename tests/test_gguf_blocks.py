@@ -16,10 +16,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from inferlab.api import load_engine
 from inferlab.errors import QuantizationError
-from inferlab.kernels.build import cpu_gemv_available, kernel_ops
+from inferlab.kernels.build import cpu_gemv_available, int4_tile_rows, kernel_ops, use_isa
+from inferlab.kernels.isa import supported_isas
 from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, dequantize_blocks
 from inferlab.model.transformer import RMSNorm
 from inferlab.quant.gguf_linear import GGUFBlockLinear
+from inferlab.quant.gguf_tiles import q4_k_blocks, q4_k_tiles
 from inferlab.quant.kquants import quantize_blocks
 from inferlab.quant.requantize_gguf import LINEAR, requantize_gguf
 
@@ -65,8 +67,26 @@ def test_quantizer_writes_blocks_gguf_reads(kind):
     assert (values - w).abs().mean() / w.abs().mean() < QUANTIZER_ERROR[kind]
 
 
-def gemv(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    return kernel_ops().gemv(x, blocks, None, None, None, 0.0, None, False, False, 0)
+def gemv(x: torch.Tensor, weight: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
+    return kernel_ops().gemv(x, weight, None, None, None, 0.0, None, False, int8_activations, 0)
+
+
+def assert_products_equal_the_reference(weight: torch.Tensor, w: torch.Tensor, label: str) -> None:
+    """The kernel's products of `weight` (blocks or tiles) at 1 to 40 activation rows equal x @ w.T (w: gguf's
+    dequantized values) within the rounding of the int16 activation codes and of fp32 sums; a row's result does not
+    depend on the rows beside it."""
+    x = torch.randn(40, w.shape[1], generator=torch.Generator().manual_seed(3))
+    single = gemv(x[:1], weight)
+    for m in (1, 3, 8, 40):  # a decode step, a batch, a prompt chunk (the tiled path)
+        y = gemv(x[:m], weight)
+        xm = x[:m].double()
+        exact = xm @ w.T
+        # each activation is an int16 code of its row's max|x| / 16383 (within half a step), times fp32 sums whose
+        # rounding is relative to the sum of |products|
+        codes = 0.5 * xm.abs().amax(dim=1, keepdim=True) / 16383 * w.abs().sum(dim=1)
+        floats = 2e-6 * (xm.abs() @ w.abs().T)
+        assert ((y.double() - exact).abs() <= codes + floats).all(), (label, m)
+        assert torch.equal(y[:1], single)  # a row's sum does not depend on the rows beside it
 
 
 @needs_kernels
@@ -74,19 +94,24 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 def test_kernel_products_equal_the_dequantized_reference(isa, kind, one_thread):
     rows, weights = 37, 1024  # rows: not a multiple of any build's lanes or of a dot call's rows
     blocks = random_blocks(kind, rows, weights // BLOCK_LAYOUTS[kind][0], seed=2)
-    w = gguf_values(blocks, kind).double()
-    x = torch.randn(40, weights, generator=torch.Generator().manual_seed(3))
-    single = gemv(x[:1], blocks)
-    for m in (1, 3, 8, 40):  # a decode step, a batch, a prompt chunk (the tiled path)
-        y = gemv(x[:m], blocks)
-        xm = x[:m].double()
-        exact = xm @ w.T
-        # each activation is an int16 code of its row's max|x| / 16383 (within half a step), times fp32 sums whose
-        # rounding is relative to the sum of |products|
-        codes = 0.5 * xm.abs().amax(dim=1, keepdim=True) / 16383 * w.abs().sum(dim=1)
-        floats = 2e-6 * (xm.abs() @ w.abs().T)
-        assert ((y.double() - exact).abs() <= codes + floats).all(), (kind, m)
-        assert torch.equal(y[:1], single)  # a row's sum does not depend on the rows beside it
+    assert_products_equal_the_reference(blocks, gguf_values(blocks, kind).double(), kind)
+
+
+@needs_kernels
+def test_q4_k_tiles_hold_the_blocks_and_multiply_as_they_do(isa, one_thread):
+    """Q4_K blocks laid out as the build's int4 tiles (quant/gguf_tiles.py) give back the very blocks, and the kernel's
+    products of the tiles (with int16 activation codes, and with int8 ones per block) equal gguf's dequantized
+    values' products."""
+    blocks = random_blocks("Q4_K", 48, 4, seed=7)  # 48 rows: whole blocks of either build's tile rows
+    tiles = q4_k_tiles(blocks, int4_tile_rows())
+    assert tiles.dtype == torch.int32 and torch.equal(q4_k_blocks(tiles), blocks)
+    w = gguf_values(blocks, "Q4_K").double()
+    assert_products_equal_the_reference(tiles, w, "Q4_K tiles")
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(8))
+    y, exact = gemv(x, tiles, int8_activations=True).double(), x.double() @ w.T
+    # int8 codes per block of 32: half a step of each block's max|x| / 127 per activation
+    steps = x.double().view(3, -1, 32).abs().amax(dim=2).repeat_interleave(32, dim=1) / 127
+    assert ((y - exact).abs() <= 0.5 * steps @ w.abs().T + 2e-6 * (x.double().abs() @ w.abs().T)).all()
 
 
 @needs_kernels
@@ -99,7 +124,10 @@ def test_stacked_parts_each_in_its_format(isa, one_thread):
     parts = [("Q4_K", random_blocks("Q4_K", 64, 2, seed=4)), ("Q6_K", random_blocks("Q6_K", 32, 2, seed=5))]
     layer = GGUFBlockLinear(linear, parts)
     reference = GGUFBlockLinear(linear, parts, use_kernel=False)
-    assert layer.kernel_weights().stacked and reference.kernel_weights() is None
+    weights = layer.kernel_weights()
+    assert weights.stacked and reference.kernel_weights() is None
+    assert [p.format for p in weights.every_part()] == ["q4_k_tiles", "gguf"]  # Q4_K as the int4 kernel's tiles
+    assert all(torch.equal(held, given) for (_, held), (_, given) in zip(layer.parts(), parts))
     norm = RMSNorm(512, 1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(512) + 0.5)
@@ -111,6 +139,29 @@ def test_stacked_parts_each_in_its_format(isa, one_thread):
         codes = 0.5 * normed.abs().amax(dim=1, keepdim=True) / 16383 * w.abs().sum(dim=1)
         floats = 2e-6 * (normed.abs() @ w.abs().T)
         assert ((got - expected).double().abs() <= codes + floats).all()
+
+
+@needs_kernels
+def test_q4_k_tiles_are_laid_out_again_for_another_build(isa, one_thread):
+    """A layer's Q4_K tiles made under one kernel build serve another whose blocks of tile rows differ (tests switch
+    builds; avx2's are 8 rows, avx512's 16): laid out again from the same blocks, to the same products."""
+    linear = torch.nn.Linear(512, 64, bias=False)
+    blocks = random_blocks("Q4_K", 64, 2, seed=9)
+    layer = GGUFBlockLinear(linear, [("Q4_K", blocks)])
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        expected = layer(x)
+    for other in supported_isas():
+        use_isa(other)
+        try:
+            weights = layer.kernel_weights()
+            assert weights.format == "q4_k_tiles" and weights.weight.shape[2] == int4_tile_rows()
+            assert torch.equal(layer.parts()[0][1], blocks)
+            with torch.no_grad():
+                got = layer(x)
+            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), other
+        finally:
+            use_isa(isa)
 
 
 def tiny_llama(hidden: int) -> LlamaForCausalLM:

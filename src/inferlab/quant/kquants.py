@@ -36,15 +36,31 @@ def _min_scale_blocks(w: Tensor, top: int) -> tuple[Tensor, Tensor]:
     m = torch.round(-low / dmin[:, None]).clamp(0, 63).to(torch.int32)
     step, offset = (d[:, None] * sc)[..., None], (dmin[:, None] * m)[..., None]
     codes = torch.where(step > 0, torch.round((w + offset) / step.clamp(min=2**-40)), 0).clamp(0, top)
-    packed = torch.cat(
+    return torch.cat((_fp16_bytes(d), _fp16_bytes(dmin), pack_k_scales(sc, m)), dim=1), codes.to(torch.uint8)
+
+
+def pack_k_scales(sc: Tensor, m: Tensor) -> Tensor:
+    """Q4_K / Q5_K: 6-bit scales and mins (..., 8) -> their 12 bytes (..., 12): sub-blocks 0-3 in the low 6 bits of
+    bytes 0-3 (scales) and 4-7 (mins), 4-7 in the nibbles of bytes 8-11 with their top 2 bits in the top bits of bytes
+    0-7. Every bit is used, so unpack_k_scales undoes it exactly."""
+    sc, m = sc.to(torch.int32), m.to(torch.int32)
+    return torch.cat(
         (
-            (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
-            (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
-            (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4),
+            (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+            (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4),
         ),
-        dim=1,
+        dim=-1,
     ).to(torch.uint8)
-    return torch.cat((_fp16_bytes(d), _fp16_bytes(dmin), packed), dim=1), codes.to(torch.uint8)
+
+
+def unpack_k_scales(packed: Tensor) -> tuple[Tensor, Tensor]:
+    """pack_k_scales' 12 bytes (..., 12) -> the 6-bit scales and mins uint8 (..., 8)."""
+    b = packed.to(torch.int32)
+    low, high, top = b[..., :4], b[..., 4:8], b[..., 8:]
+    sc = torch.cat((low & 63, (top & 0x0F) | ((low >> 6) << 4)), dim=-1)
+    m = torch.cat((high & 63, (top >> 4) | ((high >> 6) << 4)), dim=-1)
+    return sc.to(torch.uint8), m.to(torch.uint8)
 
 
 def _nibble_pairs(codes: Tensor) -> Tensor:

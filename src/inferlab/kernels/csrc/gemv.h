@@ -342,6 +342,12 @@ void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* 
 // when each chunk widened its own), 3 to unpack it, and a block's float update
 // sum += float(q . codes) * scale * the block's code scale. int4 at int8 codes has about ten times the logit
 // error of its int16 codes against fp32, so the served int4 model keeps int16 unless asked (precision.activations).
+// GGUF's Q4_K is this arithmetic at group 32 (w = d * sc * q - dmin * m per sub-block of 32), so a Q4_K file's
+// weights are laid out as these tiles at load (quant/gguf_tiles.py), with their own scale lines (super_blocks): per
+// super-block of 256 columns one line of the rows' fp16 d, then their fp16 -dmin, then the 6-bit sc and m of its 8
+// sub-blocks as int8 lines (8 x L::N each): 148 bytes a row per 256 columns where the file's blocks take 144 (sc and m
+// a byte each, not 6 bits), and exact, where an fp16 scale d * sc would round: each block's scale and min are their
+// products in fp32 (11 by 6 bits: exact), made once per block for every activation row.
 struct Int4Format {
   using L = Wide;
   static constexpr int kChunk = kDecodeRows;  // activation rows per pass over a tiled block
@@ -354,6 +360,7 @@ struct Int4Format {
   int64_t N, K, group, G, chunks, blocks, vectors, stride;
   const float* scales;                        // (N, G)
   const float* mins;                          // (N, G)
+  bool super_blocks;                          // tiles with Q4_K's scale lines (group 32)
   bool int8_x;                                // int8 activation codes per block (x8), else int16 per row (x)
   std::vector<int32_t> x;                     // (M, vectors, 4, L::N): per vector of chunks, for s < 4, the
                                               // activation pairs (x[8c + s], x[8c + s + 4]) of its chunks c
@@ -366,10 +373,10 @@ struct Int4Format {
   std::vector<uint8_t> group_start;           // (blocks,): whether the block is its group's first
 
   Int4Format(const uint8_t* packed, int64_t N_, int64_t K_, int64_t group_, const float* scales_, const float* mins_,
-             const float* xf, int64_t M, bool int8_activations)
+             const float* xf, int64_t M, bool int8_activations, bool super_blocks_ = false)
       : w(packed), N(N_), K(K_), group(group_), G(K_ / group_), chunks(K_ / 8), blocks(K_ / kBlock),
         vectors((chunks + L::N - 1) / L::N), stride(vectors * 4 * L::N), scales(scales_), mins(mins_),
-        int8_x(int8_activations), x(int8_x ? 0 : M * stride), x8(int8_x ? M * chunks * 2 : 0),
+        super_blocks(super_blocks_), int8_x(int8_activations), x(int8_x ? 0 : M * stride), x8(int8_x ? M * chunks * 2 : 0),
         block_scale(int8_x ? M * blocks : 0), x_scale(M), group_sums(M * G), block_group(blocks), group_start(blocks) {
     for (int64_t kb = 0; kb < blocks; ++kb) {
       block_group[kb] = kb * kBlock / group;
@@ -417,22 +424,40 @@ struct Int4Format {
 
   // A block of L::N weight rows as the dots read it, from a buffer of codes (chunks, L::N) (tiled only), then
   // scales and mins: codes(c) the 4 bytes of chunk c per row, scale(g) and min(g) per row. Made before (in
-  // memory): per group one line of L::N fp16 scales, then L::N fp16 mins (G, 2, L::N); made here, in a buffer
-  // (in cache): fp32 scales (G, L::N), then fp32 mins
+  // memory): per group one line of L::N fp16 scales, then L::N fp16 mins (G, 2, L::N), or with super_blocks Q4_K's
+  // lines (kSuperInts a super-block); made here, in a buffer (in cache): fp32 scales (G, L::N), then fp32 mins
+  static constexpr int64_t kSubBlocks = 8;                         // Q4_K: sub-blocks (groups of 32) a super-block
+  static constexpr int64_t kSuperInts = (1 + kSubBlocks / 2) * L::N;  // its lines: d and -dmin, then sc and m bytes
   struct Tile {
     const int32_t* code_lanes;
     const float *scale_lanes, *min_lanes;  // made here
     const at::Half* half_lanes;            // made before (read from memory, prefetched); else null
+    bool super_blocks;
     bool in_memory() const { return half_lanes != nullptr; }
     L::I codes(int64_t c) const { return L::load_int(code_lanes + c * L::N); }
-    L::V scale(int64_t g) const { return in_memory() ? L::load(half_lanes + 2 * g * L::N) : L::load(scale_lanes + g * L::N); }
+    // super_blocks: group g's super-block line of fp16 factors (d, then -dmin) and its int8 line of sc (then m)
+    const at::Half* factors(int64_t g) const { return half_lanes + g / kSubBlocks * 2 * kSuperInts; }
+    const int8_t* sub_scales(int64_t g) const {
+      return reinterpret_cast<const int8_t*>(factors(g) + 2 * L::N) + g % kSubBlocks * L::N;
+    }
+    L::V scale(int64_t g) const {
+      if (super_blocks) return L::mul(L::load(factors(g)), L::load(sub_scales(g)));
+      return in_memory() ? L::load(half_lanes + 2 * g * L::N) : L::load(scale_lanes + g * L::N);
+    }
     L::V min(int64_t g) const {
+      if (super_blocks) return L::mul(L::load(factors(g) + L::N), L::load(sub_scales(g) + kSubBlocks * L::N));
       return in_memory() ? L::load(half_lanes + (2 * g + 1) * L::N) : L::load(min_lanes + g * L::N);
     }
-    const void* group_line(int64_t g) const { return half_lanes + 2 * g * L::N; }  // in memory: the scales' and mins'
+    // in memory: the group's scales and mins (super_blocks: a line of its super-block's, 8 groups over its 5 lines)
+    const void* group_line(int64_t g) const {
+      if (super_blocks) return reinterpret_cast<const int32_t*>(factors(g)) + g % kSubBlocks * kSuperInts / kSubBlocks;
+      return half_lanes + 2 * g * L::N;
+    }
   };
   int64_t tile_ints() const { return (chunks + 2 * G) * L::N; }    // one block's buffer, in 4-byte values
-  int64_t stored_ints() const { return (chunks + G) * L::N; }      // one block's tile made before
+  int64_t stored_ints() const {                                    // one block's tile made before
+    return super_blocks ? chunks * L::N + G / kSubBlocks * kSuperInts : (chunks + G) * L::N;
+  }
   int64_t row_blocks() const { return (N + L::N - 1) / L::N; }
 
   // Rows n.. of `values` (N, count) 4-byte values into out (count, L::N): L::N values of each row at a time,
@@ -457,7 +482,7 @@ struct Int4Format {
     const float* floats = reinterpret_cast<const float*>(buffer);
     transposed(scales, G, n, buffer);
     transposed(mins, G, n, buffer + G * L::N);
-    return Tile{nullptr, floats, floats + G * L::N, nullptr};
+    return Tile{nullptr, floats, floats + G * L::N, nullptr, false};
   }
   Tile tile(int64_t n, int32_t* buffer) const {  // the whole block of rows n.., written to buffer (tile_ints())
     transposed(w, chunks, n, buffer);
@@ -466,7 +491,7 @@ struct Int4Format {
     return t;
   }
   Tile tile_at(const int32_t* buffer) const {  // a block's tile made before
-    return Tile{buffer, nullptr, nullptr, reinterpret_cast<const at::Half*>(buffer + chunks * L::N)};
+    return Tile{buffer, nullptr, nullptr, reinterpret_cast<const at::Half*>(buffer + chunks * L::N), super_blocks};
   }
 
   // Block kb's scales and (at its group's first block) mins, a lane per row of the block: read once for every
@@ -730,13 +755,16 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 //   tiles from dense_from_rows (> 0) up to kInt4CopyFromRows rows are dequantized to the copy's numbers in cache
 //   instead (amx.h: Int4DequantTiles). `dense_from_rows` 0 (the gemv op): the copy, where given, at any rows.
 //   Or GGUF blocks as the file stores them: uint8 (N, K / weights per block, bytes per block), whose block size names
-//   the format (ggml_blocks.h), without scales or mins. A projection may also be stacked from parts, each its own
+//   the format (ggml_blocks.h), without scales or mins; or a Q4_K file's blocks as int4 tiles with Q4_K's scale
+//   lines (Int4Format's super_blocks), int32 (N / L::N, K / 8 + K / 256 * 5, L::N), without scales or mins (they
+//   are the tiles' own, in lines fp16 views could not name). A projection may also be stacked from parts, each its own
 //   rows in its own format (a fused q/k/v whose v a K-quant file keeps in more bits than q and k).
 struct Projection {
   at::Tensor weight;
   Floats scales, mins, bias;
   int64_t N = 0, K = 0, group = 0;
   const int32_t* tiles = nullptr;  // int4 tiles: every block's Int4Format::tile
+  bool super_blocks = false;       // tiles of Q4_K blocks (Int4Format's super_blocks)
   int64_t int8_from_rows = 0;
   at::Tensor dense;  // undefined: none
   int64_t dense_from_rows = 0;
@@ -758,6 +786,7 @@ struct Projection {
         scales(is_tiles(w) ? Floats() : optional_floats(scales_)),
         mins(is_tiles(w) ? Floats() : optional_floats(mins_)),
         bias(optional_floats(bias_)),
+        super_blocks(is_tiles(w) && !scales_ && !mins_),
         int8_from_rows(int8_from_rows_),
         dense(dense_ ? *dense_ : at::Tensor()),
         dense_from_rows(dense_from_rows_) {
@@ -773,6 +802,14 @@ struct Projection {
       TORCH_CHECK(!scales_ && !mins_, "gemv: GGUF blocks hold their own scales");
       N = w.size(0);
       K = w.size(1) * per_block;
+    } else if (super_blocks) {
+      constexpr int64_t lanes = Int4Format::L::N, per_super = 256 / 8 + Int4Format::kSuperInts / lanes;  // values
+      TORCH_CHECK(w.size(2) == lanes && w.size(1) % per_super == 0,
+                  "gemv: Q4_K tiles of this build are (N / ", lanes, ", K / 256 * ", per_super, ", ", lanes, ")");
+      N = w.size(0) * lanes;
+      K = w.size(1) / per_super * 256;
+      group = Int4Format::kBlock;
+      tiles = w.data_ptr<int32_t>();
     } else if (is_tiles(w)) {
       constexpr int64_t lanes = Int4Format::L::N;
       TORCH_CHECK(w.size(2) == lanes && scales_ && mins_ && scales_->dim() == 3 && scales_->sizes() == mins_->sizes() &&
@@ -809,7 +846,7 @@ struct Projection {
                   "gemv: weights must be float32, bfloat16, int8 or int4 (uint8 rows, int32 tiles), got ", w.scalar_type());
       TORCH_CHECK(!scales_ || scales_->numel() == N, "gemv: scales must have N = ", N, " values");
     }
-    if (int4_rows || tiles) {
+    if (int4_rows || (tiles && !super_blocks)) {
       TORCH_CHECK(groups > 0, "gemv: int4 weights need a scale and a min per group");
       group = K / groups;
       TORCH_CHECK(group % Int4Format::kBlock == 0 && group * groups == K,
@@ -831,7 +868,7 @@ struct Projection {
     }
 #ifdef INFERLAB_AMX
     const bool bf16_products = dense_from_rows > 0 ? M >= dense_from_rows : dense.defined();
-    if (bf16_products && tiles && Int4DequantTiles::covers(N, K, group) &&
+    if (bf16_products && tiles && !super_blocks && Int4DequantTiles::covers(N, K, group) &&
         (M < kInt4CopyFromRows || !dense.defined())) {  // the copy's numbers, made in cache
       Int4DequantTiles(tiles, N, K, group, x, M)(bias.data(), y);
       return;
@@ -871,7 +908,7 @@ struct Projection {
         break;
       default:  // int4: rows (uint8) or tiles (int32)
         Int4Format(tiles ? nullptr : weight.data_ptr<uint8_t>(), N, K, group, scales.data(), mins.data(), x, M,
-                   int8_from_rows > 0 && M >= int8_from_rows)(
+                   int8_from_rows > 0 && M >= int8_from_rows, super_blocks)(
             M, bias.data(), y, tiles);
     }
   }

@@ -14,7 +14,8 @@
 // dequantized weights' product (gguf's dequantize) up to float rounding and the activation codes' rounding (half a
 // code step per activation). Each (weight row, activation row) product is summed in one order whatever rows come with
 // it (batch invariance, as gemv.h's other formats). Used by gemv.h's Projection for uint8 weights (N, blocks, bytes per
-// block): the block's size in bytes names its format.
+// block): the block's size in bytes names its format. (Q4_K layers whose rows are whole blocks of int4 tile rows are
+// laid out as gemv.h's Int4Format tiles at load instead, quant/gguf_tiles.py: read as one stream, they run faster.)
 #pragma once
 
 #include <cstring>
