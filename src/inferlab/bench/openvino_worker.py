@@ -23,8 +23,8 @@ def main() -> None:
     try:
         pipe = og.LLMPipeline(path, "CPU", INFERENCE_NUM_THREADS=threads)
     except RuntimeError as error:  # a block format it does not read (BF16 and Q4_K_M files in 2026.4)
-        lines = [line for line in str(error).splitlines() if line.strip()]
-        print(json.dumps({"error": lines[0] if lines else "cannot load"}), flush=True)
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]  # the reason last, after paths
+        print(json.dumps({"error": lines[-1] if lines else "cannot load"}), flush=True)
         return
     print(json.dumps({"version": og.__version__}), flush=True)
     for line in sys.stdin:
