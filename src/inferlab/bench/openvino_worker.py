@@ -22,7 +22,7 @@ def main() -> None:
     path, threads = sys.argv[1], int(sys.argv[2])
     try:
         pipe = og.LLMPipeline(path, "CPU", INFERENCE_NUM_THREADS=threads)
-    except RuntimeError as error:  # a block format it does not read (BF16 and Q4_K_M files in 2026.4)
+    except RuntimeError as error:  # a block format it does not read (BF16 files in 2026.4)
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]  # the reason last, after paths
         print(json.dumps({"error": lines[-1] if lines else "cannot load"}), flush=True)
         return

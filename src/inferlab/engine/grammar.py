@@ -96,8 +96,8 @@ class TokenGrammar:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self.matcher, self.vocab_size = matcher, vocab_size
-        self.bitmask = mask_words(1, vocab_size)
-        self.words = self.bitmask.numpy()[0]
+        self.bitmask = mask_words(vocab_size)
+        self.words = self.bitmask.numpy()
         self.masked = torch.empty(vocab_size)  # the last masked row, reused: a fresh 200 kB array each token costs more
         self.current = False  # `bitmask` holds the mask of the grammar's present state
 
@@ -159,11 +159,11 @@ class TokenGrammar:
         return masked
 
 
-def mask_words(rows: int, vocab_size: int) -> Tensor:
-    """(rows, ceil(vocab / 32)) int32 words for llguidance to write token masks into. (Its own torch helpers are
+def mask_words(vocab_size: int) -> Tensor:
+    """(ceil(vocab / 32),) int32 words for llguidance to write a token mask into. (Its own torch helpers are
     not imported: their module compiles a kernel with torch.compile on import, which loads the compiler stack into
     every process that imports the engine.)"""
-    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
+    return torch.full((-(-vocab_size // 32),), -1, dtype=torch.int32)
 
 
 def _first_line(error: object) -> str:

@@ -49,7 +49,8 @@ from inferlab.kernels.isa import supported_isas
 from inferlab.quant import dense_copy_bytes, weight_bytes
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LLAMA_CPP_FORMATS = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "Q8_0": "int8", "Q4_1": "int4"}
+# the precision that serves a GGUF file type as stored (the K-quant and other block types: gguf)
+STORED_PRECISIONS = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "Q8_0": "int8", "Q4_1": "int4"}
 LLAMA_CPP_ISA_FEATURES = {"avx2": {"AVX2", "FMA"}, "avx512": {"AVX2", "FMA", "AVX512", "AVX512_VNNI", "AVX512_BF16"}}
 
 
@@ -278,8 +279,7 @@ def llama_bench_peer(gguf: Path, precision: str, bin_dir: str | None) -> Peer:
     `n` tokens after a context as deep as the prompt (-d), and a prompt of the same length (-p); its prompts are its
     own random tokens (a forward's cost does not depend on which). It runs the job's file as stored, so it has a
     counterpart only where the job serves that format (its own precision, or gguf for the block formats)."""
-    if precision not in ("gguf", LLAMA_CPP_FORMATS.get(file_format(gguf))):  # gguf: each tensor in its own blocks
-        raise StudyUnavailable(f"llama.cpp runs {gguf.name} as stored ({file_format(gguf)}), not as {precision}")
+    require_stored_format("llama.cpp", gguf, precision)
     binary = llama_cpp_tool("llama-bench", bin_dir)
     threads = str(torch.get_num_threads())
 
@@ -304,16 +304,22 @@ def llama_bench_peer(gguf: Path, precision: str, bin_dir: str | None) -> Peer:
     return Peer(decode, prefill, gguf.stat().st_size, f"llama-bench {version} on {gguf.name}", llama_cpp_isa(binary))
 
 
+def require_stored_format(peer: str, gguf: Path, precision: str) -> None:
+    """A peer that runs the file as stored is compared only with a job that serves it so (its own precision, or gguf
+    for the block formats: each tensor in its own blocks)."""
+    if precision not in ("gguf", STORED_PRECISIONS.get(file_format(gguf))):
+        raise StudyUnavailable(f"{peer} runs {gguf.name} as stored ({file_format(gguf)}), not as {precision}")
+
+
 def openvino_peer(gguf: Path, precision: str, python: str | None) -> Peer:
     """OpenVINO GenAI's LLMPipeline on the same file, in the venv of `python` (`make openvino`), through
     bench/openvino_worker.py: decode tok/s from its own time per output token over `n` greedy tokens (EOS ignored),
     prefill seconds from its own time to first token of a one-token generation. It reads the GGUF's blocks into its
-    own CPU formats (the Q4_1, Q8_0 and Q6_K files here; BF16 and Q4_K_M ones it refuses), so, like llama.cpp, it has a
-    counterpart only where the job serves the file's format."""
+    own CPU formats (here it read the Q4_1, Q8_0, Q6_K files and the 1.7B Q4_K_M; it refused BF16 and the 360M Q4_K_M,
+    mostly Q5_0 blocks), so, like llama.cpp, it has a counterpart only where the job serves the file's format."""
     if not python or not Path(python).is_file():
         raise StudyUnavailable(f"OpenVINO GenAI: no study.openvino_python ({python}); `make openvino` makes its venv")
-    if precision not in ("gguf", LLAMA_CPP_FORMATS.get(file_format(gguf))):
-        raise StudyUnavailable(f"OpenVINO GenAI runs {gguf.name} as stored ({file_format(gguf)}), not as {precision}")
+    require_stored_format("OpenVINO GenAI", gguf, precision)
     worker = subprocess.Popen(
         [python, openvino_worker.__file__, str(gguf), str(torch.get_num_threads())],
         stdin=subprocess.PIPE,
