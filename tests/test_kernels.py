@@ -279,13 +279,14 @@ def test_a_rows_product_does_not_depend_on_the_other_rows_of_the_call(isa, weigh
 
 @needs_gemv
 @pytest.mark.parametrize(("n", "k"), [(208, 1056), (96, 32), (48, 8192)])
-def test_bf16_weights_on_tiles_are_the_bf16_activations_product_and_batch_invariant(isa, n, k):
-    """The amx build multiplies bf16 weights on AMX tiles (csrc/amx.h) with the activations rounded to bf16: each
-    row is that product summed in fp32 (within fp32 rounding of the exact sum), alone or among 1 to 40 and 70 rows
-    (activation rows in tiles of 16: 1, 2, 3 and 5 tiles, whole and partial), with bias and scales; N a multiple
-    of 16 (odd and even counts of 16-row blocks), K of 32."""
-    if isa != "amx":
-        pytest.skip("the tiles run on the amx build only")
+def test_bf16_weights_are_the_bf16_activations_product_and_batch_invariant(isa, n, k):
+    """The avx512 build multiplies bf16 weights by AVX-512 BF16's dots and the amx build on AMX tiles (csrc/amx.h),
+    both with the activations rounded to bf16 (csrc/gemv.h: Bf16DotStep): each row is that product summed in fp32
+    (within fp32 rounding of the exact sum), alone or among 1 to 40 and 70 rows (the tiles' activation rows in tiles
+    of 16: 1, 2, 3 and 5 tiles, whole and partial), with bias and scales; N a multiple of 16 (odd and even counts of
+    16-row blocks), K of 32."""
+    if isa == "avx2":
+        pytest.skip("the avx2 build widens bf16 weights to multiply the fp32 activations")
     torch.manual_seed(n)
     weight = (torch.randn(n, k) / k**0.5).bfloat16()
     bias = torch.randn(n)
