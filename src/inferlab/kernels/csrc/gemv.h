@@ -39,8 +39,9 @@ inline namespace INFERLAB_ISA {
 
 constexpr int64_t kDecodeRows = 8;    // up to this many activation rows a call is memory-bound (a decode batch)
 constexpr int64_t kStep = 16;         // K must be a multiple of it; a format's step reads this many weights or twice as many
-constexpr int64_t kMaxK = 8192;
+constexpr int64_t kMaxK = 32768;      // Llama-3.1-8B's down projection takes 14336
 constexpr float kInt16Max = 16383;    // activation codes for integer weights: 2 * 127 * 16383 * (K / 16) fits int32
+constexpr int64_t kInt8ExactK = 8192;  // ... up to this K; int8 weights' codes over more columns are kept smaller
 constexpr float kInt8Max = 127;       // int4 weights' int8 activation codes per block (Int4Format's int8_x)
 // The amx build's int8 weights go on AMX tiles from this many activation rows on (amx.h: Int8Tiles; the same floats
 // as Int8Step's): a tile instruction costs the same whatever its rows, so below this the vector dots, whose work
@@ -53,19 +54,26 @@ constexpr int64_t kInt4CopyFromRows = 56;
 
 constexpr int64_t kL1PrefetchBytes = 4 * 1024;  // int4 tiles: the lines requested into L1 this far ahead too
 
-// Activations as the integer formats read them: x / max|x| * kInt16Max, rounded (to nearest even, as
-// lrintf); returns the scale that undoes it
-inline float int16_codes(const float* x, int64_t K, int16_t* out) {
+// Activations as the integer formats read them: x / max|x| * `largest` (int16_codes: kInt16Max), rounded (to nearest
+// even, as lrintf); returns the scale that undoes it
+inline float int16_codes_up_to(float largest, const float* x, int64_t K, int16_t* out) {
   Wide::V amax = Wide::zero();
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) amax = Wide::max(amax, Wide::abs(Wide::load(x + k)));
   float m = Wide::max(amax);
   for (; k < K; ++k) m = std::max(m, std::abs(x[k]));
-  const float scale = m > 0 ? m / kInt16Max : 1.0f;
+  const float scale = m > 0 ? m / largest : 1.0f;
   const Wide::V scale_v = Wide::set1(scale);
   for (k = 0; k + kLanes <= K; k += kLanes) Wide::store_int16(out + k, Wide::div(Wide::load(x + k), scale_v));
   for (; k < K; ++k) out[k] = static_cast<int16_t>(std::lrintf(x[k] / scale));
   return scale;
+}
+inline float int16_codes(const float* x, int64_t K, int16_t* out) { return int16_codes_up_to(kInt16Max, x, K, out); }
+
+// int16_codes for int8 weights, whose products a lane sums in int32 over the whole row (Int8Step, amx.h's Int8Tiles):
+// beyond kInt8ExactK columns, codes scaled down so that the sum still fits (13 bits at Llama-3.1-8B's 14336)
+inline float int8_weight_codes(const float* x, int64_t K, int16_t* out) {
+  return int16_codes_up_to(K <= kInt8ExactK ? kInt16Max : std::floor(kInt16Max * kInt8ExactK / K), x, K, out);
 }
 
 // Reorder each block of `block` values to its even-indexed ones, then its odd-indexed ones
@@ -266,7 +274,7 @@ struct Int8Step {
     _mm256_store_si256(reinterpret_cast<__m256i*>(parts), wide);
     return static_cast<float>(parts[0] + parts[1] + parts[2] + parts[3]);
   }
-  static float prepare(const float* x, int64_t K, X* out) { return int16_codes(x, K, out); }
+  static float prepare(const float* x, int64_t K, X* out) { return int8_weight_codes(x, K, out); }
 };
 
 // y[m0 + m, n] = dot(n, m0 + m) * x_scale[m0 + m] * scales[n] + bias[n] for n in [begin, end), m < MR;
@@ -858,7 +866,7 @@ struct Projection {
       N = w.size(0);
       K = int4_rows ? 2 * w.size(1) : w.size(1);
     }
-    TORCH_CHECK(K % kStep == 0 && K <= kMaxK, "gemv: K must be a multiple of 16 and at most 8192, got ", K);
+    TORCH_CHECK(K % kStep == 0 && K <= kMaxK, "gemv: K must be a multiple of 16 and at most ", kMaxK, ", got ", K);
     TORCH_CHECK(!dense.defined() || (dense.scalar_type() == at::kBFloat16 && dense.is_contiguous() &&
                                      dense.dim() == 2 && dense.size(0) == N && dense.size(1) == K),
                 "gemv: a dense copy must be a contiguous bf16 (N, K) matrix");
@@ -921,7 +929,7 @@ struct Projection {
       case at::kChar:
 #ifdef INFERLAB_AMX
         if (M >= kInt8TilesMinRows && Int8Tiles::covers(N, K)) {
-          Int8Tiles(weight.data_ptr<int8_t>(), N, K, x, M, int16_codes)(scales.data(), bias.data(), y);
+          Int8Tiles(weight.data_ptr<int8_t>(), N, K, x, M, int8_weight_codes)(scales.data(), bias.data(), y);
           break;
         }
 #endif
