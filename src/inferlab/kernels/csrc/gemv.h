@@ -451,45 +451,31 @@ struct Int4Format {
     Kind kind;
     bool in_memory() const { return half_lanes != nullptr; }
     L::I codes(int64_t c) const { return L::load_int(code_lanes + c * L::N); }
-    // kQ6K: the line of chunk c's low nibbles, and of its sub-block's high bit pairs (after the sub-block's 2 chunks)
-    const int32_t* low_line(int64_t c) const { return code_lanes + (c / 2 * 3 + c % 2) * L::N; }
-    const int32_t* high_line(int64_t c) const { return code_lanes + (c / 2 * 3 + 2) * L::N; }
+    // kQ6K: sub-block kb's lines, its 2 chunks' low nibbles and then their high bit pairs
+    const int32_t* q6k_codes(int64_t kb) const { return code_lanes + kb * 3 * L::N; }
     // kQ4K: group g's super-block line of fp16 factors (d, then -dmin) and its int8 line of sc (then m)
     const at::Half* factors(int64_t g) const { return half_lanes + g / kSubBlocks * 2 * kSuperInts; }
     const int8_t* sub_scales(int64_t g) const {
       return reinterpret_cast<const int8_t*>(factors(g) + 2 * L::N) + g % kSubBlocks * L::N;
     }
-    // kQ6K: group g's super-block lines, fp32 d and then the int8 sc
+    // kQ6K: group g's super-block lines, fp32 d and then the int8 sc; a line of them for g to prefetch (the
+    // super-block's spread over its groups)
     const int32_t* q6k_lines(int64_t g) const {
       return reinterpret_cast<const int32_t*>(half_lanes) + g / kQ6KSubBlocks * kQ6KSuperInts;
     }
-    L::V scale(int64_t g) const {
-      switch (kind) {
-        case Kind::kQ4K:
-          return L::mul(L::load(factors(g)), L::load(sub_scales(g)));
-        case Kind::kQ6K: {
-          const int32_t* lines = q6k_lines(g);
-          return L::mul(L::load(reinterpret_cast<const float*>(lines)),
-                        L::load(reinterpret_cast<const int8_t*>(lines + L::N) + g % kQ6KSubBlocks * L::N));
-        }
-        default:
-          return in_memory() ? L::load(half_lanes + 2 * g * L::N) : L::load(scale_lanes + g * L::N);
-      }
+    const int32_t* q6k_line(int64_t g) const { return q6k_lines(g) + g % kQ6KSubBlocks * kQ6KSuperInts / kQ6KSubBlocks; }
+    L::V scale(int64_t g) const {  // kQ6K: Int4Format::q6k_scales
+      if (kind == Kind::kQ4K) return L::mul(L::load(factors(g)), L::load(sub_scales(g)));
+      return in_memory() ? L::load(half_lanes + 2 * g * L::N) : L::load(scale_lanes + g * L::N);
     }
-    L::V min(int64_t g) const {  // kQ6K: -32 * scale(g), made by block_scales
+    L::V min(int64_t g) const {
       if (kind == Kind::kQ4K) return L::mul(L::load(factors(g) + L::N), L::load(sub_scales(g) + kSubBlocks * L::N));
       return in_memory() ? L::load(half_lanes + (2 * g + 1) * L::N) : L::load(min_lanes + g * L::N);
     }
-    // in memory: the group's scales and mins (a K-quant's: a line of its super-block's, the groups spread over them)
+    // in memory: the group's scales and mins (Q4_K's: a line of its super-block's, 8 groups over its 5 lines)
     const void* group_line(int64_t g) const {
-      switch (kind) {
-        case Kind::kQ4K:
-          return reinterpret_cast<const int32_t*>(factors(g)) + g % kSubBlocks * kSuperInts / kSubBlocks;
-        case Kind::kQ6K:
-          return q6k_lines(g) + g % kQ6KSubBlocks * kQ6KSuperInts / kQ6KSubBlocks;
-        default:
-          return half_lanes + 2 * g * L::N;
-      }
+      if (kind == Kind::kQ4K) return reinterpret_cast<const int32_t*>(factors(g)) + g % kSubBlocks * kSuperInts / kSubBlocks;
+      return half_lanes + 2 * g * L::N;
     }
   };
   int64_t tile_ints() const { return (chunks + 2 * G) * L::N; }    // one block's buffer, in 4-byte values
@@ -550,11 +536,15 @@ struct Int4Format {
   };
   BlockScales block_scales(const Tile& rows, int64_t kb) const {
     const int64_t g = block_group[kb];
-    if (rows.kind == Kind::kQ6K) {  // a group a block; q - 32
-      const L::V scale = rows.scale(g);
-      return {scale, L::mul(scale, L::set1(-32.0f)), g, true};
-    }
     return {rows.scale(g), group_start[kb] ? rows.min(g) : L::zero(), g, group_start[kb] != 0};
+  }
+  // kQ6K's: a group a block, d * sc, and q - 32 its min (known at compile time where dot<.., kSix> inlines it: no
+  // test of the kind or of a group's start per block of 16 columns)
+  static BlockScales q6k_scales(const Tile& rows, int64_t kb) {
+    const int32_t* lines = rows.q6k_lines(kb);
+    const L::V scale = L::mul(L::load(reinterpret_cast<const float*>(lines)),
+                              L::load(reinterpret_cast<const int8_t*>(lines + L::N) + kb % kQ6KSubBlocks * L::N));
+    return {scale, L::mul(scale, L::set1(-32.0f)), kb, true};
   }
   // sum (a lane per row of the block) after block kb of activation row m: the one update every path makes;
   // kInt8X: int8_x (chosen at compile time, so the served int16 path carries no test of it per block)
@@ -609,16 +599,16 @@ struct Int4Format {
       L::I dots[M * C];  // per activation row, per chunk of a group: even s, odd s
       for (int i = 0; i < M * C; ++i) dots[i] = L::zero_int();
       // each line of the tile's stream requests the one kL2PrefetchBytes on, on the first pass over it
-      if (prefetch) prefetch_l2(rows.group_line(block_group[kb]));
+      if (prefetch) prefetch_l2(kSix ? rows.q6k_line(kb) : rows.group_line(block_group[kb]));
       // the block's chunks lie in one vector of chunks (kBlockChunks divides L::N): their pairs at block_pairs + j,
       // per activation row a stride on (computed once a block, not per chunk: address arithmetic off the chunks' path)
       const int32_t* block_pairs =
           kInt8X ? x8.data() + (m0 * chunks + kb * kBlockChunks) * 2 : pairs(m0, kb * kBlockChunks);
-      const L::I high = kSix ? L::load_int(rows.high_line(kb * kBlockChunks)) : L::zero_int();
+      const L::I high = kSix ? L::load_int(rows.q6k_codes(kb) + 2 * L::N) : L::zero_int();
 #pragma GCC unroll 4  // whole: which sums a chunk updates is then known at compile time, and they stay in registers
       for (int j = 0; j < kBlockChunks; ++j) {  // the block's chunks
         const int64_t c = kb * kBlockChunks + j;
-        const int32_t* line = kSix ? rows.low_line(c) : rows.code_lanes + c * L::N;
+        const int32_t* line = kSix ? rows.q6k_codes(kb) + j * L::N : rows.code_lanes + c * L::N;
         if (prefetch) {  // into L2 far ahead, and from there into L1 a little ahead: each line takes several
                          // instructions, so fewer lines wait in the instruction window than in a dense row
           prefetch_l2(line);
@@ -651,7 +641,7 @@ struct Int4Format {
           }
         }
       }
-      const BlockScales scales_of_block = block_scales(rows, kb);
+      const BlockScales scales_of_block = kSix ? q6k_scales(rows, kb) : block_scales(rows, kb);
       for (int m = 0; m < M; ++m) {  // integers: any order of adding them gives the same sums
         if constexpr (kInt8X) {  // the block's quad sums (on AVX2 in int16: at most 8 x 3,810), then into int32
           L::I quads = dots[m * C];
