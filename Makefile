@@ -126,7 +126,7 @@ $(OPENVINO_VENV)/.installed:
 # machine: it goes to the cache dir, where spec=draft finds it) and the shape presets' GGUF files the sized studies
 # read (`make model-files`, which builds llama.cpp's programs first: ~25 min once per machine, 8B included).
 SIZE_FORMATS := [BF16,Q8_0,Q4_1,Q4_K_M,Q6_K]  # the shape presets' files the sized studies read (make model-files)
-REPORT_SWEEPS ?= kv_speedup kv_memory load_memory peers peer_sizes peer_sizes_8b profile_sizes threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving serving_spec serving_sizes serving_sizes_decode serving_sizes_bf16 kv_pool long_context structured serving_replicas contention
+REPORT_SWEEPS ?= kv_speedup kv_memory load_memory peers peer_sizes peer_sizes_8b profile_sizes threads profile quant_tradeoff batching prefix_cache spec_decode server_latency soak lm_eval serving serving_spec serving_sizes serving_sizes_decode serving_sizes_bf16 serving_sizes_bf16_decode kv_pool long_context structured serving_replicas contention
 VLLM_PYTHON ?=
 report: setup
 	@draft=$$($(PY) -c 'from inferlab.paths import default_draft_dir; print(default_draft_dir("smollm2-135m"))'); \
@@ -138,7 +138,7 @@ report: setup
 	for sweep in $(REPORT_SWEEPS); do \
 		i=$$((i + 1)); elapsed=$$(($$(date +%s) - start)); \
 		printf '== sweep %d of %d: %s, %dm%02ds elapsed\n' $$i $$total $$sweep $$((elapsed / 60)) $$((elapsed % 60)); \
-		extra=$$(case $$sweep in serving|serving_sizes_bf16) [ -n "$(VLLM_PYTHON)" ] && echo "study.vllm_python=$(VLLM_PYTHON)";; esac); \
+		extra=$$(case $$sweep in serving|serving_sizes_bf16|serving_sizes_bf16_decode) [ -n "$(VLLM_PYTHON)" ] && echo "study.vllm_python=$(VLLM_PYTHON)";; esac); \
 		$(VENV)/bin/inferlab-bench -m sweep=$$sweep size=cpu $$extra || echo "== sweep $$sweep failed (see above)"; \
 	done; \
 	elapsed=$$(($$(date +%s) - start)); \

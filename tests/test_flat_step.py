@@ -40,7 +40,9 @@ class Tolerance:
 
 EXACT, TINY = Tolerance(max_abs=1e-4), Tolerance()
 # the real model's kernel paths are two bf16-level approximations of int8/int4 (tests/test_kernels_real_model.py);
-# bf16's reference is one bf16 forward over the whole sequence (its rounding differs from a shorter one's: 0.9977 seen)
+# bf16's reference is the fp32 model's forward: a bf16 forward over the whole sequence rounds its residual stream to
+# bf16, ~1 - cosine 3.4e-3 from fp32 on a 20-token prompt, where the fused step's bf16 products (their inputs rounded to
+# bf16 on the avx512 and amx builds) are 5.4e-4 from it; against that reference 0.9949 was seen
 REAL = {"fp32": Tolerance(max_abs=1e-3), "bf16": Tolerance(min_cosine=0.997, tie=0.3)}
 REAL |= {"int8": Tolerance(min_cosine=0.99, tie=0.3), "int4": Tolerance(min_cosine=0.99, tie=0.3)}
 
@@ -208,12 +210,13 @@ def test_a_mixed_step_on_the_real_model(cache_mode, precision):
     if cache_mode == "paged":
         overrides["cache.kv_budget_mb"] = 32
     engine = load_engine(precision=precision, cache=cache_mode, device="cpu", **overrides)
+    reference = load_engine(precision="fp32", cache="none", device="cpu").model if precision == "bf16" else None
     text = "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away, there lived"
     ids = engine.tokenizer.encode(text * 3)
     starts = [0, 3, 7, 11, 2]
-    steps = Steps(engine, engine.model, sequences(ids, starts, PROMPT_LENS))
+    steps = Steps(engine, reference or engine.model, sequences(ids, starts, PROMPT_LENS))
     mixed_steps(steps, REAL[precision], small=False)
     steps.release()
-    small = Steps(engine, engine.model, sequences(ids, starts, SMALL_PROMPT_LENS))
+    small = Steps(engine, reference or engine.model, sequences(ids, starts, SMALL_PROMPT_LENS))
     mixed_steps(small, REAL[precision], small=True)
     small.release()

@@ -297,9 +297,9 @@ def test_the_bf16_step_stays_within_bf16_storage_of_fp32(isa, tiny_tokenizer):
             else torch.stack([1 - F.cosine_similarity(e, g, dim=0) for e, g in zip(errors["reference"], steps)])
         )
     # measured: fused mean 1 - cosine 8.3e-6 (with the model's bf16 rope tables: 1.13e-5), max 2.4e-5;
-    # portable mean 7.4e-5, max 2.1e-4. The amx build rounds each projection's input to bf16 for the tiles (the
-    # residual stream stays fp32): mean 3.0e-5, max 5.5e-5
-    if isa == "amx":
+    # portable mean 7.4e-5, max 2.1e-4. The avx512 and amx builds round each projection's input to bf16 for their
+    # bf16 dots (the residual stream stays fp32): mean 3.0e-5, max 5.5e-5 (amx), 5.9e-5 (avx512)
+    if isa in ("avx512", "amx"):
         assert errors["fused"].mean() <= 4e-5 and errors["fused"].max() <= 1e-4
         assert errors["fused"].mean() <= errors["portable"].mean() / 2
     else:

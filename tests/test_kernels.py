@@ -1,6 +1,8 @@
 """The CPU decode kernels (kernels/csrc/), each build this CPU runs (the `isa` fixture), against the portable
 reference they replace."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,19 +131,20 @@ def test_int4_gemv_is_the_int16_code_product_to_float_rounding(isa, rows, n, k, 
 
 
 @needs_gemv
-@pytest.mark.parametrize(("n", "k"), [(208, 1024), (96, 64), (48, 8192), (203, 1040)])
+@pytest.mark.parametrize(("n", "k"), [(208, 1024), (96, 64), (48, 8192), (203, 1040), (32, 14336)])
 def test_int8_gemv_is_the_int16_code_product_rounded_once(isa, n, k):
     """The int8 kernel's result is, to the bit: x's int16 codes per row (x / (max|x| / 16383) in fp32, rounded to
-    nearest even) dotted with the codes exactly, that integer rounded to fp32 once, times the row's scale, times the
-    weight row's scale, plus the bias. So every path gives the same floats: one activation row on the vector
-    kernel, and on the amx build 6 or more on AMX tiles (csrc/amx.h: Int8Tiles; N a multiple of 16 and K of 64,
-    here 208 x 1024, 96 x 64 and 48 x 8192; 203 x 1040 stays on the vector kernel), alone or among 1 to 40 and 70
-    rows (tiles of 16 activation rows, whole and partial)."""
+    nearest even; beyond 8192 columns the largest code is floor(16383 * 8192 / K), so that a lane's int32 sum cannot
+    overflow: 8191 at Llama-3.1-8B's 14336) dotted with the codes exactly, that integer rounded to fp32 once, times
+    the row's scale, times the weight row's scale, plus the bias. So every path gives the same floats: one
+    activation row on the vector kernel, and on the amx build 6 or more on AMX tiles (csrc/amx.h: Int8Tiles; N a
+    multiple of 16 and K of 64, here 208 x 1024, 96 x 64, 48 x 8192 and 32 x 14336; 203 x 1040 stays on the vector
+    kernel), alone or among 1 to 40 and 70 rows (tiles of 16 activation rows, whole and partial)."""
     torch.manual_seed(k)
     weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scales, bias = torch.rand(n) / 100, torch.randn(n)
     x = torch.randn(70, k) * torch.rand(70, 1) * 4
-    x_scale = x.abs().amax(-1, keepdim=True) / 16383
+    x_scale = x.abs().amax(-1, keepdim=True) / (16383 if k <= 8192 else math.floor(16383 * 8192 / k))
     dots = torch.round(x / x_scale).long() @ weight.long().T  # exact
     expected = dots.float() * x_scale * scales + bias
     alone = torch.cat([gemv(x[m : m + 1], weight, scales, bias, None, False) for m in range(70)])
@@ -279,13 +282,14 @@ def test_a_rows_product_does_not_depend_on_the_other_rows_of_the_call(isa, weigh
 
 @needs_gemv
 @pytest.mark.parametrize(("n", "k"), [(208, 1056), (96, 32), (48, 8192)])
-def test_bf16_weights_on_tiles_are_the_bf16_activations_product_and_batch_invariant(isa, n, k):
-    """The amx build multiplies bf16 weights on AMX tiles (csrc/amx.h) with the activations rounded to bf16: each
-    row is that product summed in fp32 (within fp32 rounding of the exact sum), alone or among 1 to 40 and 70 rows
-    (activation rows in tiles of 16: 1, 2, 3 and 5 tiles, whole and partial), with bias and scales; N a multiple
-    of 16 (odd and even counts of 16-row blocks), K of 32."""
-    if isa != "amx":
-        pytest.skip("the tiles run on the amx build only")
+def test_bf16_weights_are_the_bf16_activations_product_and_batch_invariant(isa, n, k):
+    """The avx512 build multiplies bf16 weights by AVX-512 BF16's dots and the amx build on AMX tiles (csrc/amx.h),
+    both with the activations rounded to bf16 (csrc/gemv.h: Bf16DotStep): each row is that product summed in fp32
+    (within fp32 rounding of the exact sum), alone or among 1 to 40 and 70 rows (the tiles' activation rows in tiles
+    of 16: 1, 2, 3 and 5 tiles, whole and partial), with bias and scales; N a multiple of 16 (odd and even counts of
+    16-row blocks), K of 32."""
+    if isa == "avx2":
+        pytest.skip("the avx2 build widens bf16 weights to multiply the fp32 activations")
     torch.manual_seed(n)
     weight = (torch.randn(n, k) / k**0.5).bfloat16()
     bias = torch.randn(n)
@@ -481,3 +485,14 @@ def test_portable_and_other_devices_keep_f_linear(tiny_tokenizer):
     assert not decode_attention_applies(cpu, torch.float32, 12, "fast")  # head_dim not a multiple of 8
     with pytest.raises(Exception, match="device.kernels"):
         select_kernels(model, torch.device("cpu"), torch.float32, "fastest")
+
+
+@needs_gemv
+def test_int8_sums_over_more_than_8192_columns_do_not_overflow(isa):
+    """The largest int8 row product there can be: every weight 127 against activations all at the largest code, over
+    Llama-3.1-8B's 14336 columns (an int32 lane then sums 127 * 8191 * 14336 / 8 = 1.86e9 < 2^31), comes out right."""
+    k = 14336
+    weight = torch.full((16, k), 127, dtype=torch.int8)
+    for sign in (1.0, -1.0):
+        y = gemv(torch.full((3, k), sign), weight, torch.ones(16), None, None, False)
+        assert torch.allclose(y, torch.full_like(y, sign * 127 * k), rtol=1e-6)

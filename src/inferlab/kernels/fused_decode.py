@@ -66,9 +66,10 @@ def many_rows_limit(model: Transformer, isa: str) -> int:
     BF16_TILES_MAX_ROWS as well (their prompts then run on the tiles inside the plan, with no Python model between).
     int4 layers hold copies only on AMX CPUs; elsewhere every int4 step runs fused: without the tiles, oneDNN's GEMM
     over a bf16 copy gains little per row on the int16-code kernel at prompt sizes, loses at a few rows, and the copy
-    costs twice the int4 weights' memory. Without AMX, bf16 weights stay on the fused step though oneDNN is faster on
-    long prompts: the plan's fp32 activations keep a mixed step of decodes and prompt chunks within the real-model
-    tolerance, where the bf16 Python model's rounding does not (with AMX the Python model's tiles keep fp32 sums)."""
+    costs twice the int4 weights' memory. Without AMX, bf16 weights stay on the fused step at any rows: the avx512
+    build's bf16 dots (csrc/gemv.h: Bf16DotStep) run a prompt about as fast as oneDNN's GEMM, and the avx2 build,
+    slower there, keeps its fp32 activations and residual stream, closer to the fp32 model than the bf16 Python model,
+    which rounds its residual stream (with AMX the Python model's tiles keep fp32 sums)."""
     limits = [
         max(m.kernel_max_rows, BF16_TILES_MAX_ROWS) if isa == "amx" and bf16_copy(m) is not None else m.kernel_max_rows
         for m in model.layers.modules()

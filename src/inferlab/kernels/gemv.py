@@ -39,13 +39,13 @@ BF16_TILES_MAX_ROWS = 192
 # more rows run on the tiles (csrc/amx.h: Int8Tiles; elsewhere GEMV_MAX_ROWS): about where the Python model over the
 # bf16 copies catches up with the fused step on a prompt chunk
 INT8_TILES_MAX_ROWS = 192
-GEMV_K_STEP, GEMV_MAX_K = 16, 8192  # kStep and the K limit in csrc/gemv.h
+GEMV_K_STEP, GEMV_MAX_K = 16, 32768  # kStep and the K limit in csrc/gemv.h
 FLOAT_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 def gemv_fits(x: Tensor, width: int, max_rows: int | None = GEMV_MAX_ROWS) -> bool:
     """The kernel covers this call: CPU, at most `max_rows` rows (None: any) of `width` features, a multiple of 16
-    up to 8192."""
+    up to GEMV_MAX_K."""
     return (
         x.device.type == "cpu"
         and (max_rows is None or x.numel() <= max_rows * width)

@@ -4,7 +4,7 @@
 // bf16: y = x @ W.T with the activations rounded to bf16, each product exact and summed in fp32 by the tiles' bf16
 // dot instruction (TDPBF16PS).
 //
-// The widened-bf16 multiply-adds of gemv.h's Bf16Step keep a step of 2-32 rows bound by the multiply-adds, which the
+// The vector bf16 dots of gemv.h's Bf16DotStep keep a step of 2-32 rows bound by the multiply-adds, which the
 // tiles do many at once: the more rows, the more this gains. One row loses a little: the tiles stream the weights
 // from memory more slowly than vector loads (from L2 they run far faster), and a row's sums must be the same
 // whatever the call's rows, so one row cannot take the other kernel.
@@ -18,7 +18,7 @@
 // holds, so a row's result does not depend on the other rows (batch invariance, as gemv.h's). Rounding the
 // activations to bf16 is what a bf16 model does between its layers anyway (the Python model's bf16 layers hand
 // this kernel bf16 activations: their results are unchanged by it). Covers N a multiple of 16 and K of 32 (every
-// projection of the supported models); other shapes, on this build too, take Bf16Step for all their rows.
+// projection of the supported models); other shapes take Bf16DotStep for all their rows.
 #pragma once
 
 #ifdef INFERLAB_AMX

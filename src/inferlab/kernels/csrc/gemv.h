@@ -8,8 +8,8 @@
 // alone keep too few lines in flight). Many activation rows make it a GEMM: each thread goes over
 // tiles of its weight rows small enough to stay in L2 and, per tile, over all activation rows a few at
 // a time, so a weight row comes from memory once and from cache for every further chunk of rows.
-// fp32 weights are fused-multiply-added, bf16 weights too once widened to fp32 (a shift or a mask; the amx
-// build multiplies them on AMX tiles instead: amx.h);
+// fp32 weights are fused-multiply-added, bf16 weights too once widened to fp32 (a shift or a mask) on AVX2, while the
+// AVX-512 builds take the activations in bf16 to AVX-512 BF16's dots (the amx build's on AMX tiles: amx.h);
 // int8 and int4 weights meet int16 activation codes in exact integer multiply-adds (one instruction per
 // 2 * kLanes weights; the amx build's int8 ones on AMX tiles from kInt8TilesMinRows rows on, to the same floats),
 // int4 with a float scale and min per group as GGUF's Q4_1 defines them, its weight rows in vector lanes
@@ -39,8 +39,9 @@ inline namespace INFERLAB_ISA {
 
 constexpr int64_t kDecodeRows = 8;    // up to this many activation rows a call is memory-bound (a decode batch)
 constexpr int64_t kStep = 16;         // K must be a multiple of it; a format's step reads this many weights or twice as many
-constexpr int64_t kMaxK = 8192;
+constexpr int64_t kMaxK = 32768;      // Llama-3.1-8B's down projection takes 14336
 constexpr float kInt16Max = 16383;    // activation codes for integer weights: 2 * 127 * 16383 * (K / 16) fits int32
+constexpr int64_t kInt8ExactK = 8192;  // ... up to this K; int8 weights' codes over more columns are kept smaller
 constexpr float kInt8Max = 127;       // int4 weights' int8 activation codes per block (Int4Format's int8_x)
 // The amx build's int8 weights go on AMX tiles from this many activation rows on (amx.h: Int8Tiles; the same floats
 // as Int8Step's): a tile instruction costs the same whatever its rows, so below this the vector dots, whose work
@@ -53,19 +54,26 @@ constexpr int64_t kInt4CopyFromRows = 56;
 
 constexpr int64_t kL1PrefetchBytes = 4 * 1024;  // int4 tiles: the lines requested into L1 this far ahead too
 
-// Activations as the integer formats read them: x / max|x| * kInt16Max, rounded (to nearest even, as
-// lrintf); returns the scale that undoes it
-inline float int16_codes(const float* x, int64_t K, int16_t* out) {
+// Activations as the integer formats read them: x / max|x| * `largest` (int16_codes: kInt16Max), rounded (to nearest
+// even, as lrintf); returns the scale that undoes it
+inline float int16_codes_up_to(float largest, const float* x, int64_t K, int16_t* out) {
   Wide::V amax = Wide::zero();
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) amax = Wide::max(amax, Wide::abs(Wide::load(x + k)));
   float m = Wide::max(amax);
   for (; k < K; ++k) m = std::max(m, std::abs(x[k]));
-  const float scale = m > 0 ? m / kInt16Max : 1.0f;
+  const float scale = m > 0 ? m / largest : 1.0f;
   const Wide::V scale_v = Wide::set1(scale);
   for (k = 0; k + kLanes <= K; k += kLanes) Wide::store_int16(out + k, Wide::div(Wide::load(x + k), scale_v));
   for (; k < K; ++k) out[k] = static_cast<int16_t>(std::lrintf(x[k] / scale));
   return scale;
+}
+inline float int16_codes(const float* x, int64_t K, int16_t* out) { return int16_codes_up_to(kInt16Max, x, K, out); }
+
+// int16_codes for int8 weights, whose products a lane sums in int32 over the whole row (Int8Step, amx.h's Int8Tiles):
+// beyond kInt8ExactK columns, codes scaled down so that the sum still fits (13 bits at Llama-3.1-8B's 14336)
+inline float int8_weight_codes(const float* x, int64_t K, int16_t* out) {
+  return int16_codes_up_to(K <= kInt8ExactK ? kInt16Max : std::floor(kInt16Max * kInt8ExactK / K), x, K, out);
 }
 
 // Reorder each block of `block` values to its even-indexed ones, then its odd-indexed ones
@@ -178,28 +186,52 @@ struct Fp32Step {
   }
 };
 
+#ifdef INFERLAB_AVX512
+// bf16 weights times the activations rounded to bf16 (to nearest even), each 32-bit lane a pair of columns of both,
+// summed in fp32 by AVX-512 BF16's dot instruction (VDPBF16PS: 32 exact products a step). A prompt's many rows are
+// bound by the multiply-adds, and the dot does twice the columns of Bf16Step's widened fused multiply-adds per
+// instruction with no widening, so a prompt chunk runs about twice as fast; one row streams its weights as fast
+// either way. Rounding the activations to bf16 is what a bf16 model does between its layers anyway and what the amx
+// build's tiles do (amx.h: Bf16Tiles); every row takes it, whatever the call's rows (batch invariance), so a decode
+// and a prompt chunk get the same sums.
+struct Bf16DotStep {
+  static constexpr int kTileRows = 1, kRows = 4, kChunk = 4;
+  static constexpr bool kExact = false;
+  static constexpr int64_t kWidth = 2 * kLanes, kXPerWeight = 1;
+  using W = at::BFloat16;
+  using X = at::BFloat16;
+  using Acc = __m512;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc dots(__m512i pairs, const X* x, Acc acc) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x)), reinterpret_cast<__m512bh>(pairs));
+  }
+  static Acc step(const W* w, const X* x, Acc acc) { return dots(Wide::load_pairs(w), x, acc); }
+  static Acc tail(const W* w, const X* x, Acc acc) { return dots(Wide::load_pairs_half(w), x, acc); }
+  static float total(Acc acc) { return Wide::sum(acc); }
+  static float prepare(const float* x, int64_t K, X* out) {  // out: zeros, round_up(K, kWidth) of them
+    for (int64_t k = 0; k < K; k += kStep) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k))));
+    }
+    return 1.0f;
+  }
+};
+using Bf16Weights = DenseFormat<Bf16DotStep>;
+#else
 // bf16 weights widened to fp32 and fused-multiply-added with the fp32 activations, 2 * kLanes weights a
-// step: bf16 is the high half of an fp32, so a 32-bit lane holding weights 2i and 2i+1 gives weight 2i
-// shifted up and weight 2i+1 masked, and each step's activations are stored evens first, then odds. Every
-// product is exact and each sum rounds once, in fp32 (the bf16 dot instruction of AVX-512 would need the
-// activations split into two bf16 halves to stay that close, and its dots of one weight row then stream slower
-// than these FMAs).
+// step (the avx2 build, which has no bf16 dots; the AVX-512 builds take Bf16DotStep): bf16 is the high half of an
+// fp32, so a 32-bit lane holding weights 2i and 2i+1 gives weight 2i shifted up and weight 2i+1 masked, and each
+// step's activations are stored evens first, then odds. Every product is exact and each sum rounds once, in fp32.
 struct Bf16Step {
-  static constexpr int kTileRows = 1, kRows = kLanes == 16 ? 4 : 2, kChunk = 4;  // kTileRows: as fp32's
+  static constexpr int kTileRows = 1, kRows = 2, kChunk = 4;  // kTileRows: as fp32's
   static constexpr bool kExact = false;
   static constexpr int64_t kWidth = 2 * kLanes, kXPerWeight = 1;
   using W = at::BFloat16;
   using X = float;
   using Acc = Wide::V;
   static Acc zero() { return Wide::zero(); }
-  // The AVX-512 build adds each pair's odd product first, as the bf16 dot instruction it once ran does, so
-  // activations that are bf16 themselves (the Python model's bf16 layers call this kernel) sum as they did
-  static constexpr bool kOddFirst = kLanes == 16;
   static Acc dots(Wide::I pairs, const X* x, Acc acc) {
     const Wide::V even = Wide::even_bf16(pairs), odd = Wide::odd_bf16(pairs);
-    if constexpr (kOddFirst) {
-      return Wide::fmadd(even, Wide::load(x), Wide::fmadd(odd, Wide::load(x + kLanes), acc));
-    }
     return Wide::fmadd(odd, Wide::load(x + kLanes), Wide::fmadd(even, Wide::load(x), acc));
   }
   static Acc step(const W* w, const X* x, Acc acc) { return dots(Wide::load_pairs(w), x, acc); }
@@ -211,6 +243,8 @@ struct Bf16Step {
     return 1.0f;
   }
 };
+using Bf16Weights = DenseFormat<Bf16Step>;
+#endif
 
 // int8 weights times int16 activation codes, summed exactly in int32 (madd, or VNNI's dpwssd), one
 // instruction per 2 * L::N weights, on lanes L: 256-bit steps for one activation row (512-bit ones, 32 bytes
@@ -240,7 +274,7 @@ struct Int8Step {
     _mm256_store_si256(reinterpret_cast<__m256i*>(parts), wide);
     return static_cast<float>(parts[0] + parts[1] + parts[2] + parts[3]);
   }
-  static float prepare(const float* x, int64_t K, X* out) { return int16_codes(x, K, out); }
+  static float prepare(const float* x, int64_t K, X* out) { return int8_weight_codes(x, K, out); }
 };
 
 // y[m0 + m, n] = dot(n, m0 + m) * x_scale[m0 + m] * scales[n] + bias[n] for n in [begin, end), m < MR;
@@ -903,7 +937,7 @@ struct Projection {
       N = w.size(0);
       K = int4_rows ? 2 * w.size(1) : w.size(1);
     }
-    TORCH_CHECK(K % kStep == 0 && K <= kMaxK, "gemv: K must be a multiple of 16 and at most 8192, got ", K);
+    TORCH_CHECK(K % kStep == 0 && K <= kMaxK, "gemv: K must be a multiple of 16 and at most ", kMaxK, ", got ", K);
     TORCH_CHECK(!dense.defined() || (dense.scalar_type() == at::kBFloat16 && dense.is_contiguous() &&
                                      dense.dim() == 2 && dense.size(0) == N && dense.size(1) == K),
                 "gemv: a dense copy must be a contiguous bf16 (N, K) matrix");
@@ -961,13 +995,12 @@ struct Projection {
           break;
         }
 #endif
-        run_rows(DenseFormat<Bf16Step>(weight.data_ptr<at::BFloat16>(), K, x, M), M, scales.data(), bias.data(), y, N,
-                 row_bytes);
+        run_rows(Bf16Weights(weight.data_ptr<at::BFloat16>(), K, x, M), M, scales.data(), bias.data(), y, N, row_bytes);
         break;
       case at::kChar:
 #ifdef INFERLAB_AMX
         if (M >= kInt8TilesMinRows && Int8Tiles::covers(N, K)) {
-          Int8Tiles(weight.data_ptr<int8_t>(), N, K, x, M, int16_codes)(scales.data(), bias.data(), y);
+          Int8Tiles(weight.data_ptr<int8_t>(), N, K, x, M, int8_weight_codes)(scales.data(), bias.data(), y);
           break;
         }
 #endif

@@ -265,8 +265,6 @@ struct Lanes<16> {
   }
   static I load_pairs(const at::BFloat16* p) { return _mm512_loadu_si512(p); }
   static I load_pairs_half(const at::BFloat16* p) { return _mm512_maskz_loadu_epi16(0xFFFF, p); }  // N bf16, the rest 0
-  static V even_bf16(I pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
-  static V odd_bf16(I pairs) { return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000))); }
   static void store_int(int32_t* p, I a) { _mm512_storeu_si512(p, a); }
   static I set1_int(int32_t x) { return _mm512_set1_epi32(x); }
   static I and_int(I a, I b) { return _mm512_and_si512(a, b); }
