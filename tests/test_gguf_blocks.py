@@ -187,7 +187,7 @@ def test_k_quant_tiles_are_laid_out_again_for_another_build(isa, kind, one_threa
         use_isa(other)
         try:
             weights = layer.kernel_weights()
-            assert weights.format == f"{kind.lower()}_tiles" and weights.weight.shape[2] == int4_tile_rows()
+            assert weights.format == f"{kind.lower()}_tiles" and weights.weight.shape[-1] == int4_tile_rows()
             assert torch.equal(layer.parts()[0][1], blocks)
             with torch.no_grad():
                 got = layer(x)

@@ -41,7 +41,7 @@ class KernelWeights:
     # (N, K) in FORMAT_DTYPES[format]; int4: uint8 (N, K / 2), column 2j in the low nibble; int4_tiles: int32
     # (N / L, K / 8 + G, L), blocks of L rows holding their codes, then per group their fp16 scales and mins; gguf:
     # uint8 (N, K / weights per block, bytes per block); q4_k_tiles: int32 (N / L, K / 8 + K / 256 * 5, L);
-    # q6_k_tiles: int32 (N / L, K / 256 * 53, L)
+    # q6_k_tiles: int32 (N / L, K / 256, 53, L)
     weight: Tensor
     # int8: (N,); int4: fp32 (N, G = K / group_size); int4_tiles: fp16 (N / L, G, L) views of weight's
     scales: Tensor | None = None

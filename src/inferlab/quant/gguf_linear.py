@@ -90,7 +90,7 @@ class GGUFBlockLinear(nn.Module):
         if not self.use_kernel:
             return None
         for i, (kind, held) in enumerate(self._held()):
-            if held.dtype == torch.int32 and held.shape[2] != int4_tile_rows():  # another build's (tests switch)
+            if held.dtype == torch.int32 and held.shape[-1] != int4_tile_rows():  # another build's (tests switch)
                 self._store(i, kind, TILED[kind][1](held))
         held = self._held()
         biases = self.bias.split([self.rows(t) for _, t in held]) if self.bias is not None else None
@@ -106,7 +106,7 @@ class GGUFBlockLinear(nn.Module):
     @staticmethod
     def rows(held: Tensor) -> int:
         """The weight rows of a part's blocks or tiles."""
-        return held.shape[0] * held.shape[2] if held.dtype == torch.int32 else held.shape[0]
+        return held.shape[0] * held.shape[-1] if held.dtype == torch.int32 else held.shape[0]
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
         weights = self.kernel_weights() if gemv_fits(x, self.in_features * (1 + gated), None) else None

@@ -9,10 +9,10 @@ of a row where the blocks take 144 (sc and m a byte each), and the same numbers:
 blocks bit for bit.
 
 A Q6_K sub-block of 16 weights is w = (d * sc) * (q - 32), q in [0, 63], sc int8: the same sums at group 16, the offset
-a min -32 * d * sc. Its tiles hold the codes' low 4 bits as int4 chunks and their high 2 bits as one more line per
-sub-block, after its two chunks (the codes one stream), then per super-block a line of the rows' d as fp32 (exact) and
-4 lines of the 16 sub-blocks' int8 sc (kernels/csrc/gemv.h: Int4Format's kQ6K): 212 bytes per 256 weights of a row
-where the blocks take 210. q6_k_blocks gives back the file's blocks bit for bit.
+a min -32 * d * sc. Its tiles hold, per super-block, the codes' low 4 bits as int4 chunks and their high 2 bits as
+one more line per sub-block, after its two chunks, then a line of the rows' d as fp32 (exact) and 4 lines of the 16
+sub-blocks' int8 sc (kernels/csrc/gemv.h: Int4Format's kQ6K), so a tile is read as one stream: 212 bytes per 256
+weights of a row where the blocks take 210. q6_k_blocks gives back the file's blocks bit for bit.
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ def _q4_k_nibbles(rows: Tensor) -> Tensor:
 
 
 def q6_k_tiles(blocks: Tensor, rows: int) -> Tensor:
-    """Q6_K blocks uint8 (N, S, 210) -> tiles int32 (N / rows, 48 S + 5 S, rows): per block of `rows` weight rows, per
-    sub-block of 16 columns its 2 int4 chunks (as q4_k_tiles') and a line of their high bit pairs (HIGH_BITS), then per
-    super-block the rows' d as fp32, then their int8 (16, rows) sc. `rows`: kernels.build.int4_tile_rows."""
+    """Q6_K blocks uint8 (N, S, 210) -> tiles int32 (N / rows, S, 48 + 5, rows): per block of `rows` weight rows and
+    super-block, per sub-block of 16 columns its 2 int4 chunks (as q4_k_tiles') and a line of their high bit pairs
+    (HIGH_BITS), then the rows' d as fp32, then their int8 (16, rows) sc. `rows`: kernels.build.int4_tile_rows."""
     n, supers, _ = blocks.shape
     tiles = n // rows
     low, high = _q6_k_codes(blocks)  # (N, S, 256) each
@@ -109,7 +109,7 @@ def q6_k_tiles(blocks: Tensor, rows: int) -> Tensor:
     bits = (pairs << shifts).sum(dim=(3, 4))  # each chunk's pairs (no two share a bit), its 8 * chunk bits to come
     # int64 sums, 32 bits of them kept (two's complement: the top pair's high bit is the int32's sign)
     high_line = (bits[..., 0] | (bits[..., 1] << 8)).to(torch.int32).view(n, supers * Q6_SUBS, 1)
-    codes = torch.cat((nibbles, high_line), dim=2).view(tiles, rows, -1).transpose(1, 2)
+    codes = torch.cat((nibbles, high_line), dim=2).view(tiles, rows, supers, Q6_CODE_LINES).permute(0, 2, 3, 1)
 
     def lanes(t: Tensor) -> Tensor:  # (N, S, ...) -> (N / rows, S, ..., rows)
         return t.reshape(tiles, rows, supers, -1).permute(0, 2, 3, 1)
@@ -117,16 +117,15 @@ def q6_k_tiles(blocks: Tensor, rows: int) -> Tensor:
     d = blocks[..., 208:210].contiguous().view(torch.float16).float()  # (N, S, 1)
     d_line = lanes(d).contiguous().view(torch.int32)  # (N / rows, S, 1, rows)
     scales = lanes(blocks[..., 192:208]).contiguous().view(tiles, supers, Q6_SUBS * rows).view(torch.int32)
-    lines = torch.cat((d_line.reshape(tiles, supers, rows), scales), dim=2).view(tiles, supers * Q6_LINES, rows)
-    return torch.cat((codes, lines), dim=1)
+    lines = torch.cat((d_line.reshape(tiles, supers, rows), scales), dim=2).view(tiles, supers, Q6_LINES, rows)
+    return torch.cat((codes, lines), dim=2)
 
 
 def q6_k_blocks(tiles: Tensor) -> Tensor:
     """q6_k_tiles' tiles -> the Q6_K blocks uint8 (N, S, 210) they were made from."""
-    count, values, rows = tiles.shape
-    supers = values // (Q6_CODE_LINES + Q6_LINES)
-    codes, lines = tiles.split([supers * Q6_CODE_LINES, supers * Q6_LINES], dim=1)
-    words = codes.transpose(1, 2).reshape(count * rows, supers * Q6_SUBS, 3)
+    count, supers, _, rows = tiles.shape
+    codes, lines = tiles.split([Q6_CODE_LINES, Q6_LINES], dim=2)
+    words = codes.permute(0, 3, 1, 2).reshape(count * rows, supers * Q6_SUBS, 3)
     nibbles = words[..., :2].contiguous().view(torch.uint8).view(-1, supers, SUPER // 2)
     low = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).view(-1, supers, SUPER)
     high_line = words[..., 2:]  # (N, 16 S, 1)
@@ -136,7 +135,6 @@ def q6_k_blocks(tiles: Tensor) -> Tensor:
     def rows_first(t: Tensor) -> Tensor:  # (N / rows, S, k, rows) -> (N, S, k)
         return t.permute(0, 3, 1, 2).reshape(count * rows, supers, -1)
 
-    lines = lines.reshape(count, supers, Q6_LINES, rows)
     d = rows_first(lines[:, :, :1].contiguous().view(torch.float32)).to(torch.float16)  # exact: it was fp16
     # its two bytes by arithmetic: a view as bytes would need a last stride of 1, which a (N, S, 1) tensor may lack
     halves = d.view(torch.int16)

@@ -384,9 +384,9 @@ void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* 
 // products in fp32 (11 by 6 bits: exact), made once per block for every activation row.
 // GGUF's Q6_K is w = d * sc * (q - 32) per sub-block of 16 columns, q 6 bits: the same sums at group 16 (a float update
 // per sub-block) with q's low 4 bits as these chunks and its high 2 bits in one more line per sub-block (kind kQ6K,
-// quant/gguf_tiles.py): per sub-block of 16 columns its two chunks, then a line of their 32 high bit pairs, so the
-// codes stay one stream; per super-block of 256 columns a line of the rows' d (fp32, exact from fp16) and 4 lines of
-// the 16 sub-blocks' int8 sc. The pairs are put above the nibbles in the int16 lanes nibble_pairs makes (six_bit_pairs:
+// quant/gguf_tiles.py): per super-block of 256 columns, per sub-block of 16 its two chunks and a line of their 32 high
+// bit pairs, then a line of the rows' d (fp32, exact from fp16) and 4 lines of the 16 sub-blocks' int8 sc, so a tile
+// is one stream. The pairs are put above the nibbles in the int16 lanes nibble_pairs makes (six_bit_pairs:
 // 2 instructions a pair of lanes on AVX-512, made once for every activation row), so the dots take whole 6-bit codes
 // at int4's 4 multiply-adds per chunk and row; the offset -32 is a min, -32 * d * sc per sub-block (exact), met with
 // the sub-block's sum of activation codes as Q4_K's mins are. 212 bytes a row per 256 columns where the blocks take 210.
@@ -477,7 +477,8 @@ struct Int4Format {
   static constexpr int64_t kSubBlocks = 8;                         // Q4_K: sub-blocks (groups of 32) a super-block
   static constexpr int64_t kSuperInts = (1 + kSubBlocks / 2) * L::N;  // its lines: d and -dmin, then sc and m bytes
   static constexpr int64_t kQ6KSubBlocks = 16;                     // Q6_K: sub-blocks (groups of 16) a super-block
-  static constexpr int64_t kQ6KSuperInts = (1 + kQ6KSubBlocks / 4) * L::N;  // its lines: d, then the sc bytes
+  static constexpr int64_t kQ6KCodeLines = kQ6KSubBlocks * 3;       // its lines: per sub-block 2 of nibbles, 1 of pairs
+  static constexpr int64_t kQ6KSuperInts = (kQ6KCodeLines + 1 + kQ6KSubBlocks / 4) * L::N;  // then d, then sc bytes
   struct Tile {
     const int32_t* code_lanes;
     const float *scale_lanes, *min_lanes;  // made here
@@ -486,7 +487,9 @@ struct Int4Format {
     bool in_memory() const { return half_lanes != nullptr; }
     L::I codes(int64_t c) const { return L::load_int(code_lanes + c * L::N); }
     // kQ6K: sub-block kb's lines, its 2 chunks' low nibbles and then their high bit pairs
-    const int32_t* q6k_codes(int64_t kb) const { return code_lanes + kb * 3 * L::N; }
+    const int32_t* q6k_codes(int64_t kb) const {
+      return code_lanes + kb / kQ6KSubBlocks * kQ6KSuperInts + kb % kQ6KSubBlocks * 3 * L::N;
+    }
     // kQ4K: group g's super-block line of fp16 factors (d, then -dmin) and its int8 line of sc (then m)
     const at::Half* factors(int64_t g) const { return half_lanes + g / kSubBlocks * 2 * kSuperInts; }
     const int8_t* sub_scales(int64_t g) const {
@@ -495,9 +498,11 @@ struct Int4Format {
     // kQ6K: group g's super-block lines, fp32 d and then the int8 sc; a line of them for g to prefetch (the
     // super-block's spread over its groups)
     const int32_t* q6k_lines(int64_t g) const {
-      return reinterpret_cast<const int32_t*>(half_lanes) + g / kQ6KSubBlocks * kQ6KSuperInts;
+      return code_lanes + g / kQ6KSubBlocks * kQ6KSuperInts + kQ6KCodeLines * L::N;
     }
-    const int32_t* q6k_line(int64_t g) const { return q6k_lines(g) + g % kQ6KSubBlocks * kQ6KSuperInts / kQ6KSubBlocks; }
+    const int32_t* q6k_line(int64_t g) const {
+      return q6k_lines(g) + g % kQ6KSubBlocks * (1 + kQ6KSubBlocks / 4) / kQ6KSubBlocks * L::N;
+    }
     L::V scale(int64_t g) const {  // kQ6K: Int4Format::q6k_scales
       if (kind == Kind::kQ4K) return L::mul(L::load(factors(g)), L::load(sub_scales(g)));
       return in_memory() ? L::load(half_lanes + 2 * g * L::N) : L::load(scale_lanes + g * L::N);
@@ -513,13 +518,14 @@ struct Int4Format {
     }
   };
   int64_t tile_ints() const { return (chunks + 2 * G) * L::N; }    // one block's buffer, in 4-byte values
-  int64_t code_ints() const { return (kind == Kind::kQ6K ? chunks / 2 * 3 : chunks) * L::N; }  // a stored tile's codes
-  int64_t stored_ints() const {                                    // one block's tile made before
+  // a stored tile's codes (kQ6K: the whole tile, its lines among them)
+  int64_t code_ints() const { return kind == Kind::kQ6K ? G / kQ6KSubBlocks * kQ6KSuperInts : chunks * L::N; }
+  int64_t stored_ints() const {  // one block's tile made before
     switch (kind) {
       case Kind::kQ4K:
         return code_ints() + G / kSubBlocks * kSuperInts;
       case Kind::kQ6K:
-        return code_ints() + G / kQ6KSubBlocks * kQ6KSuperInts;
+        return code_ints();
       default:
         return code_ints() + G * L::N;
     }
@@ -556,7 +562,7 @@ struct Int4Format {
     t.code_lanes = buffer;
     return t;
   }
-  Tile tile_at(const int32_t* buffer) const {  // a block's tile made before
+  Tile tile_at(const int32_t* buffer) const {  // a block's tile made before (kQ6K: half_lanes only says so)
     return Tile{buffer, nullptr, nullptr, reinterpret_cast<const at::Half*>(buffer + code_ints()), kind};
   }
 
@@ -857,9 +863,7 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 //   Or GGUF blocks as the file stores them: uint8 (N, K / weights per block, bytes per block), whose block size names
 //   the format (ggml_blocks.h), without scales or mins; or a K-quant file's blocks as int4 tiles with the blocks'
 //   own lines (Int4Format's kQ4K, kQ6K), without scales or mins (they are the tiles' own, in lines fp16 views could
-//   not name): Q4_K int32 (N / L::N, K / 256 * 37, L::N), Q6_K (N / L::N, K / 256 * 53, L::N), the values a tile
-//   row takes per 256 columns naming the format as a block's bytes name a GGUF one (37 and 53 share no multiple up
-//   to kMaxK's 32 super-blocks). A projection may also be stacked from parts, each its own
+//   not name): Q4_K int32 (N / L::N, K / 8 + K / 256 * 5, L::N), Q6_K int32 (N / L::N, K / 256, 53, L::N). A projection may also be stacked from parts, each its own
 //   rows in its own format (a fused q/k/v whose v a K-quant file keeps in more bits than q and k).
 struct Projection {
   at::Tensor weight;
@@ -893,9 +897,10 @@ struct Projection {
         dense_from_rows(dense_from_rows_) {
     const bool int4_rows = w.scalar_type() == at::kByte && w.dim() == 2;
     int64_t groups = 0;  // int4: per row
-    TORCH_CHECK(w.dim() == (is_tiles(w) || is_blocks(w) ? 3 : 2) && w.is_contiguous(),
-                "gemv: weight must be a contiguous (N, K) matrix, int4 tiles (N / lanes, K / 8 + G, lanes) or GGUF "
-                "blocks (N, blocks, bytes per block)");
+    const bool q6k_tiles = is_tiles(w) && w.dim() == 4 && !scales_ && !mins_;
+    TORCH_CHECK((q6k_tiles || w.dim() == (is_tiles(w) || is_blocks(w) ? 3 : 2)) && w.is_contiguous(),
+                "gemv: weight must be a contiguous (N, K) matrix, int4 tiles (N / lanes, K / 8 + G, lanes), Q6_K tiles "
+                "(N / lanes, K / 256, 53, lanes) or GGUF blocks (N, blocks, bytes per block)");
     if (is_blocks(w)) {
       block_bytes = w.size(2);
       const int64_t per_block = block_weights(block_bytes);
@@ -903,17 +908,23 @@ struct Projection {
       TORCH_CHECK(!scales_ && !mins_, "gemv: GGUF blocks hold their own scales");
       N = w.size(0);
       K = w.size(1) * per_block;
-    } else if (is_tiles(w) && !scales_ && !mins_) {  // a K-quant's tiles
-      constexpr int64_t lanes = Int4Format::L::N;
-      constexpr int64_t q4k = 256 / 8 + Int4Format::kSuperInts / lanes;         // values a row per super-block
-      constexpr int64_t q6k = 256 / 16 * 3 + Int4Format::kQ6KSuperInts / lanes;
-      const bool six = w.size(1) % q6k == 0;
-      TORCH_CHECK(w.size(2) == lanes && (six || w.size(1) % q4k == 0), "gemv: K-quant tiles of this build are (N / ",
-                  lanes, ", K / 256 * ", q4k, " (Q4_K) or ", q6k, " (Q6_K), ", lanes, ")");
-      tile_kind = six ? Int4Format::Kind::kQ6K : Int4Format::Kind::kQ4K;
+    } else if (q6k_tiles) {
+      constexpr int64_t lanes = Int4Format::L::N, lines = Int4Format::kQ6KSuperInts / lanes;
+      TORCH_CHECK(w.size(2) == lines && w.size(3) == lanes, "gemv: Q6_K tiles of this build are (N / ", lanes,
+                  ", K / 256, ", lines, ", ", lanes, ")");
+      tile_kind = Int4Format::Kind::kQ6K;
       N = w.size(0) * lanes;
-      K = w.size(1) / (six ? q6k : q4k) * 256;
-      group = six ? 16 : Int4Format::kBlock;
+      K = w.size(1) * 256;
+      group = Int4Format::kQ6KSubBlocks;
+      tiles = w.data_ptr<int32_t>();
+    } else if (is_tiles(w) && !scales_ && !mins_) {  // Q4_K's
+      constexpr int64_t lanes = Int4Format::L::N, per_super = 256 / 8 + Int4Format::kSuperInts / lanes;  // values
+      TORCH_CHECK(w.size(2) == lanes && w.size(1) % per_super == 0,
+                  "gemv: Q4_K tiles of this build are (N / ", lanes, ", K / 256 * ", per_super, ", ", lanes, ")");
+      tile_kind = Int4Format::Kind::kQ4K;
+      N = w.size(0) * lanes;
+      K = w.size(1) / per_super * 256;
+      group = Int4Format::kBlock;
       tiles = w.data_ptr<int32_t>();
     } else if (is_tiles(w)) {
       constexpr int64_t lanes = Int4Format::L::N;
