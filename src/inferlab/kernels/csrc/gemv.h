@@ -579,7 +579,7 @@ struct Int4Format {
     return {rows.scale(g), group_start[kb] ? rows.min(g) : L::zero(), g, group_start[kb] != 0};
   }
   // kQ6K's: a group a block, d * sc, and q - 32 its min (known at compile time where dot<.., kSix> inlines it: no
-  // test of the kind or of a group's start per block of 16 columns)
+  // test of the kind, of a group's start or of block_group per block of 16 columns, which took a third of a row's time)
   static BlockScales q6k_scales(const Tile& rows, int64_t kb) {
     const int32_t* lines = rows.q6k_lines(kb);
     const L::V scale = L::mul(L::load(reinterpret_cast<const float*>(lines)),
@@ -863,8 +863,10 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 //   Or GGUF blocks as the file stores them: uint8 (N, K / weights per block, bytes per block), whose block size names
 //   the format (ggml_blocks.h), without scales or mins; or a K-quant file's blocks as int4 tiles with the blocks'
 //   own lines (Int4Format's kQ4K, kQ6K), without scales or mins (they are the tiles' own, in lines fp16 views could
-//   not name): Q4_K int32 (N / L::N, K / 8 + K / 256 * 5, L::N), Q6_K int32 (N / L::N, K / 256, 53, L::N). A projection may also be stacked from parts, each its own
-//   rows in its own format (a fused q/k/v whose v a K-quant file keeps in more bits than q and k).
+//   not name): Q4_K int32 (N / L::N, K / 8 + K / 256 * 5, L::N), Q6_K int32 (N / L::N, K / 256, 53, L::N); Q6_K's
+//   meet int16 activation codes whatever int8_from_rows says (int8 codes per block of 32 would straddle its
+//   sub-blocks of 16). A projection may also be stacked from parts, each its own rows in its own format (a fused
+//   q/k/v whose v a K-quant file keeps in more bits than q and k).
 struct Projection {
   at::Tensor weight;
   Floats scales, mins, bias;
