@@ -104,11 +104,10 @@ def q6_k_tiles(blocks: Tensor, rows: int) -> Tensor:
     tiles = n // rows
     low, high = _q6_k_codes(blocks)  # (N, S, 256) each
     nibbles = (low[..., 0::2] | (low[..., 1::2] << 4)).contiguous().view(torch.int32).view(n, supers * Q6_SUBS, 2)
-    shifts = torch.tensor(HIGH_BITS, dtype=torch.int32).view(1, 1, 2, 4)  # (column's half, column) of a chunk
-    pairs = high.view(n, supers * Q6_SUBS, 2, 2, 4).to(torch.int32)  # (chunk, half, column)
-    bits = (pairs << shifts).sum(dim=(3, 4))  # each chunk's pairs (no two share a bit), its 8 * chunk bits to come
-    # int64 sums, 32 bits of them kept (two's complement: the top pair's high bit is the int32's sign)
-    high_line = (bits[..., 0] | (bits[..., 1] << 8)).to(torch.int32).view(n, supers * Q6_SUBS, 1)
+    # the line's byte 2 half + chunk holds the pairs of columns 4 half.. 4 half + 3 of the chunk, at bits HIGH_BITS[:4]
+    pairs = high.view(n, supers * Q6_SUBS, 2, 2, 4).transpose(2, 3)  # (half, chunk, column), a byte a pair
+    line_bytes = pairs[..., 0] | (pairs[..., 1] << 4) | (pairs[..., 2] << 2) | (pairs[..., 3] << 6)
+    high_line = line_bytes.reshape(n, supers * Q6_SUBS, 4).view(torch.int32)  # (N, 16 S, 1)
     codes = torch.cat((nibbles, high_line), dim=2).view(tiles, rows, supers, Q6_CODE_LINES).permute(0, 2, 3, 1)
 
     def lanes(t: Tensor) -> Tensor:  # (N, S, ...) -> (N / rows, S, ..., rows)
