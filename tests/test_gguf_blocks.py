@@ -21,7 +21,7 @@ from inferlab.kernels.isa import supported_isas
 from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, dequantize_blocks
 from inferlab.model.transformer import RMSNorm
 from inferlab.quant.gguf_linear import GGUFBlockLinear
-from inferlab.quant.gguf_tiles import q4_k_blocks, q4_k_tiles
+from inferlab.quant.gguf_tiles import q4_k_blocks, q4_k_tiles, q6_k_blocks, q6_k_tiles
 from inferlab.quant.kquants import quantize_blocks
 from inferlab.quant.requantize_gguf import LINEAR, requantize_gguf
 
@@ -115,18 +115,49 @@ def test_q4_k_tiles_hold_the_blocks_and_multiply_as_they_do(isa, one_thread):
 
 
 @needs_kernels
+def test_q6_k_tiles_hold_the_blocks_and_multiply_as_they_do(isa, one_thread):
+    """Q6_K blocks laid out as the build's int4 tiles with a line of high bit pairs per sub-block (quant/gguf_tiles.py)
+    give back the very blocks, and the kernel's products of the tiles equal gguf's dequantized values' products at 1,
+    3, 8 and 40 activation rows; every code from 0 to 63 and every int8 scale from -128 to 127 taken (random bytes)."""
+    blocks = random_blocks("Q6_K", 48, 4, seed=11)  # 48 rows: whole blocks of either build's tile rows
+    tiles = q6_k_tiles(blocks, int4_tile_rows())
+    assert tiles.dtype == torch.int32 and torch.equal(q6_k_blocks(tiles), blocks)
+    assert_products_equal_the_reference(tiles, gguf_values(blocks, "Q6_K").double(), "Q6_K tiles")
+
+
+@needs_kernels
+def test_q6_k_tiles_at_the_bounds_of_their_integer_sums(isa, one_thread):
+    """Every code 63 (or 0) under scale -128 against activations at their int16 bound: the dots of a sub-block's
+    16-fold odd columns stay within int32 and the products equal the reference."""
+    blocks = random_blocks("Q6_K", 32, 2, seed=12)
+    blocks[:16, :, :192] = 0xFF  # q = 63
+    blocks[16:, :, :192] = 0  # q = 0: w = -32 d sc
+    blocks[..., 192:208] = 0x80  # sc = -128
+    x = torch.full((1, 512), -1.0)
+    w = gguf_values(blocks, "Q6_K").double()
+    y, exact = gemv(x, q6_k_tiles(blocks, int4_tile_rows())).double(), x.double() @ w.T
+    assert ((y - exact).abs() <= 2e-6 * (x.double().abs() @ w.abs().T)).all()  # the codes exact: x is +-max|x|
+
+
+@needs_kernels
 def test_stacked_parts_each_in_its_format(isa, one_thread):
-    """q/k in Q4_K and v in Q6_K (a K-quant file's fused projection), with a bias: the kernel path (decode rows and a
-    prompt chunk, with the RMSNorm fused in) equals the portable path's dequantize-then-linear within the rounding of
-    the int16 activation codes (half a step per activation) and of fp32 sums."""
+    """q/k in Q4_K and v in Q6_K (a K-quant file's fused projection), then a part the tiles' blocks of rows do not
+    divide (kept as blocks), with a bias: the kernel path (decode rows and a prompt chunk, with the RMSNorm fused in)
+    equals the portable path's dequantize-then-linear within the rounding of the int16 activation codes (half a step
+    per activation) and of fp32 sums."""
     torch.manual_seed(6)
-    linear = torch.nn.Linear(512, 96, bias=True)
-    parts = [("Q4_K", random_blocks("Q4_K", 64, 2, seed=4)), ("Q6_K", random_blocks("Q6_K", 32, 2, seed=5))]
+    linear = torch.nn.Linear(512, 101, bias=True)
+    parts = [
+        ("Q4_K", random_blocks("Q4_K", 64, 2, seed=4)),
+        ("Q6_K", random_blocks("Q6_K", 32, 2, seed=5)),
+        ("Q6_K", random_blocks("Q6_K", 5, 2, seed=13)),
+    ]
     layer = GGUFBlockLinear(linear, parts)
     reference = GGUFBlockLinear(linear, parts, use_kernel=False)
     weights = layer.kernel_weights()
     assert weights.stacked and reference.kernel_weights() is None
-    assert [p.format for p in weights.every_part()] == ["q4_k_tiles", "gguf"]  # Q4_K as the int4 kernel's tiles
+    # Q4_K and Q6_K as the int4 kernel's tiles where whole blocks of its rows
+    assert [p.format for p in weights.every_part()] == ["q4_k_tiles", "q6_k_tiles", "gguf"]
     assert all(torch.equal(held, given) for (_, held), (_, given) in zip(layer.parts(), parts))
     norm = RMSNorm(512, 1e-5)
     with torch.no_grad():
@@ -142,12 +173,13 @@ def test_stacked_parts_each_in_its_format(isa, one_thread):
 
 
 @needs_kernels
-def test_q4_k_tiles_are_laid_out_again_for_another_build(isa, one_thread):
-    """A layer's Q4_K tiles made under one kernel build serve another whose blocks of tile rows differ (tests switch
-    builds; avx2's are 8 rows, avx512's 16): laid out again from the same blocks, to the same products."""
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_tiles_are_laid_out_again_for_another_build(isa, kind, one_thread):
+    """A layer's Q4_K or Q6_K tiles made under one kernel build serve another whose blocks of tile rows differ (tests
+    switch builds; avx2's are 8 rows, avx512's 16): laid out again from the same blocks, to the same products."""
     linear = torch.nn.Linear(512, 64, bias=False)
-    blocks = random_blocks("Q4_K", 64, 2, seed=9)
-    layer = GGUFBlockLinear(linear, [("Q4_K", blocks)])
+    blocks = random_blocks(kind, 64, 2, seed=9)
+    layer = GGUFBlockLinear(linear, [(kind, blocks)])
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(10))
     with torch.no_grad():
         expected = layer(x)
@@ -155,7 +187,7 @@ def test_q4_k_tiles_are_laid_out_again_for_another_build(isa, one_thread):
         use_isa(other)
         try:
             weights = layer.kernel_weights()
-            assert weights.format == "q4_k_tiles" and weights.weight.shape[2] == int4_tile_rows()
+            assert weights.format == f"{kind.lower()}_tiles" and weights.weight.shape[-1] == int4_tile_rows()
             assert torch.equal(layer.parts()[0][1], blocks)
             with torch.no_grad():
                 got = layer(x)

@@ -1,8 +1,8 @@
 """A Linear whose weights are a GGUF file's blocks as it stores them (K-quants and the 32-weight block formats), each
 part of a fused projection in its own format, so precision=gguf serves a Q4_K_M file's mixed tensors as they are.
 
-The blocks are read by model/gguf_blocks.py's layouts; Q4_K ones are held as the kernels' int4 tiles where those
-kernels run (quant/gguf_tiles.py: the same bytes and numbers, read as one stream at any number of rows). Rows are fused and un-permuted exactly as the loader does with
+The blocks are read by model/gguf_blocks.py's layouts; Q4_K and Q6_K ones are held as the kernels' int4 tiles where
+those kernels run (quant/gguf_tiles.py: the same bytes and numbers, read as one stream at any number of rows). Rows are fused and un-permuted exactly as the loader does with
 the dequantized weights (a block holds part of one row, so moving whole rows moves whole blocks).
 """
 
@@ -26,15 +26,20 @@ from inferlab.model.config import ModelConfig
 from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, dequantize_blocks
 from inferlab.model.gguf_loader import evict, linear_sources, open_gguf, unpermute_qk
 from inferlab.model.transformer import RMSNorm
-from inferlab.quant.gguf_tiles import q4_k_blocks, q4_k_tiles
+from inferlab.quant.gguf_tiles import q4_k_blocks, q4_k_tiles, q6_k_blocks, q6_k_tiles
 
 Part = tuple[str, Tensor]  # a block format's name and its blocks uint8 (rows, blocks per row, bytes per block)
+# The K-quants held as int4 tiles (quant/gguf_tiles.py): each one's tiles from blocks and back, and its kernel format
+TILED: dict[str, tuple[Callable[[Tensor, int], Tensor], Callable[[Tensor], Tensor], str]] = {
+    "Q4_K": (q4_k_tiles, q4_k_blocks, "q4_k_tiles"),
+    "Q6_K": (q6_k_tiles, q6_k_blocks, "q6_k_tiles"),
+}
 
 
 class GGUFBlockLinear(nn.Module):
     """Drop-in for nn.Linear over GGUF blocks: `parts` stacked along the output rows, each in its own block format.
 
-    The kernels read the blocks where they are (kernels/csrc/ggml_blocks.h), Q4_K ones as int4 tiles made at load
+    The kernels read the blocks where they are (kernels/csrc/ggml_blocks.h), Q4_K and Q6_K ones as int4 tiles made at load
     (quant/gguf_tiles.py), at any number of activation rows; the
     portable path (`use_kernel=False`) dequantizes them in torch (model/gguf_blocks.py, gguf's own values) and runs
     F.linear. A KernelLayer (kernels/layer.py)."""
@@ -63,18 +68,19 @@ class GGUFBlockLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def _store(self, i: int, kind: str, blocks: Tensor) -> None:
-        """Hold part i as the kernels read it fastest: Q4_K as the active build's int4 tiles where their blocks of
-        rows divide the part's, else (and for the other formats and the reference path) the blocks as they are."""
+        """Hold part i as the kernels read it fastest: Q4_K and Q6_K as the active build's int4 tiles where their
+        blocks of rows divide the part's, else (and for the other formats and the reference path) the blocks as they
+        are."""
         layout = int4_layout(blocks.device, self.dtype, blocks.shape[0], self.in_features) if self.use_kernel else ""
-        tiled = kind == "Q4_K" and layout == "tiles"
-        self.register_buffer(f"blocks_{i}", q4_k_tiles(blocks, int4_tile_rows()) if tiled else blocks)
+        tiled = kind in TILED and layout == "tiles"
+        self.register_buffer(f"blocks_{i}", TILED[kind][0](blocks, int4_tile_rows()) if tiled else blocks)
 
     def _held(self) -> list[tuple[str, Tensor]]:  # each part's kind and what holds it: blocks, or int32 tiles
         return [(kind, getattr(self, f"blocks_{i}")) for i, kind in enumerate(self.kinds)]
 
     def parts(self) -> list[Part]:
         """Each part's kind and its blocks (from tiles: made again, as the file stored them)."""
-        return [(kind, q4_k_blocks(held) if held.dtype == torch.int32 else held) for kind, held in self._held()]
+        return [(kind, TILED[kind][1](held) if held.dtype == torch.int32 else held) for kind, held in self._held()]
 
     def dequantize(self) -> Tensor:
         """The fp32 weights (N, K) the reference path multiplies."""
@@ -84,15 +90,15 @@ class GGUFBlockLinear(nn.Module):
         if not self.use_kernel:
             return None
         for i, (kind, held) in enumerate(self._held()):
-            if held.dtype == torch.int32 and held.shape[2] != int4_tile_rows():  # another build's (tests switch)
-                self._store(i, kind, q4_k_blocks(held))
+            if held.dtype == torch.int32 and held.shape[-1] != int4_tile_rows():  # another build's (tests switch)
+                self._store(i, kind, TILED[kind][1](held))
         held = self._held()
         biases = self.bias.split([self.rows(t) for _, t in held]) if self.bias is not None else None
         parts = [
             KernelWeights(
-                "q4_k_tiles" if t.dtype == torch.int32 else "gguf", t, bias=None if biases is None else biases[i]
+                TILED[kind][2] if t.dtype == torch.int32 else "gguf", t, bias=None if biases is None else biases[i]
             )
-            for i, (_, t) in enumerate(held)
+            for i, (kind, t) in enumerate(held)
         ]
         first = parts[0]
         return KernelWeights(first.format, first.weight, bias=first.bias, stacked=tuple(parts[1:]))
@@ -100,7 +106,7 @@ class GGUFBlockLinear(nn.Module):
     @staticmethod
     def rows(held: Tensor) -> int:
         """The weight rows of a part's blocks or tiles."""
-        return held.shape[0] * held.shape[2] if held.dtype == torch.int32 else held.shape[0]
+        return held.shape[0] * held.shape[-1] if held.dtype == torch.int32 else held.shape[0]
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
         weights = self.kernel_weights() if gemv_fits(x, self.in_features * (1 + gated), None) else None

@@ -7,6 +7,12 @@ super-block of 256 columns a line of the rows' fp16 d and -dmin and the int8 lin
 multiplied in the kernel once per block (kernels/csrc/gemv.h: Int4Format's super_blocks). 148 bytes per 256 weights
 of a row where the blocks take 144 (sc and m a byte each), and the same numbers: q4_k_blocks gives back the file's
 blocks bit for bit.
+
+A Q6_K sub-block of 16 weights is w = (d * sc) * (q - 32), q in [0, 63], sc int8: the same sums at group 16, the offset
+a min -32 * d * sc. Its tiles hold, per super-block, the codes' low 4 bits as int4 chunks and their high 2 bits as
+one more line per sub-block, after its two chunks, then a line of the rows' d as fp32 (exact) and 4 lines of the 16
+sub-blocks' int8 sc (kernels/csrc/gemv.h: Int4Format's kQ6K), so a tile is read as one stream: 212 bytes per 256
+weights of a row where the blocks take 210. q6_k_blocks gives back the file's blocks bit for bit.
 """
 
 from __future__ import annotations
@@ -16,9 +22,16 @@ from torch import Tensor
 
 from inferlab.quant.kquants import pack_k_scales, unpack_k_scales
 
-SUPER = 256  # weights per Q4_K block (a super-block)
-SUBS = 8  # its sub-blocks of 32
+SUPER = 256  # weights per K-quant block (a super-block)
+SUBS = 8  # Q4_K: its sub-blocks of 32
 LINES = 1 + SUBS // 2  # int32 lines (of `rows` values) a super-block's factors take: d and -dmin, sc, m
+Q6_SUBS = 16  # Q6_K: its sub-blocks of 16
+Q6_LINES = 1 + Q6_SUBS // 4  # d (fp32), sc (int8)
+Q6_CODE_LINES = Q6_SUBS * 3  # per sub-block: its 2 chunks of low nibbles, then its high bit pairs
+# Bit of column i (of 8) of a chunk's high pair in its sub-block's line, before 8 * (the chunk's place in the sub-block):
+# the kernel's six_bit_pairs brings those of columns s and s + 4 above their nibbles with one shift for s = 0, 1 and
+# one for s = 2, 3
+HIGH_BITS = (0, 4, 2, 6, 16, 20, 18, 22)
 
 
 def q4_k_tiles(blocks: Tensor, rows: int) -> Tensor:
@@ -81,3 +94,72 @@ def _q4_k_nibbles(rows: Tensor) -> Tensor:
     even = (low & 0x0F) | (high << 4)
     odd = (low >> 4) | (high & 0xF0)
     return torch.stack((even, odd), dim=-1).reshape(rows.shape)
+
+
+def q6_k_tiles(blocks: Tensor, rows: int) -> Tensor:
+    """Q6_K blocks uint8 (N, S, 210) -> tiles int32 (N / rows, S, 48 + 5, rows): per block of `rows` weight rows and
+    super-block, per sub-block of 16 columns its 2 int4 chunks (as q4_k_tiles') and a line of their high bit pairs
+    (HIGH_BITS), then the rows' d as fp32, then their int8 (16, rows) sc. `rows`: kernels.build.int4_tile_rows."""
+    n, supers, _ = blocks.shape
+    tiles = n // rows
+    low, high = _q6_k_codes(blocks)  # (N, S, 256) each
+    nibbles = (low[..., 0::2] | (low[..., 1::2] << 4)).contiguous().view(torch.int32).view(n, supers * Q6_SUBS, 2)
+    # the line's byte 2 half + chunk holds the pairs of columns 4 half.. 4 half + 3 of the chunk, at bits HIGH_BITS[:4]
+    pairs = high.view(n, supers * Q6_SUBS, 2, 2, 4).transpose(2, 3)  # (half, chunk, column), a byte a pair
+    line_bytes = pairs[..., 0] | (pairs[..., 1] << 4) | (pairs[..., 2] << 2) | (pairs[..., 3] << 6)
+    high_line = line_bytes.reshape(n, supers * Q6_SUBS, 4).view(torch.int32)  # (N, 16 S, 1)
+    codes = torch.cat((nibbles, high_line), dim=2).view(tiles, rows, supers, Q6_CODE_LINES).permute(0, 2, 3, 1)
+
+    def lanes(t: Tensor) -> Tensor:  # (N, S, ...) -> (N / rows, S, ..., rows)
+        return t.reshape(tiles, rows, supers, -1).permute(0, 2, 3, 1)
+
+    d = blocks[..., 208:210].contiguous().view(torch.float16).float()  # (N, S, 1)
+    d_line = lanes(d).contiguous().view(torch.int32)  # (N / rows, S, 1, rows)
+    scales = lanes(blocks[..., 192:208]).contiguous().view(tiles, supers, Q6_SUBS * rows).view(torch.int32)
+    lines = torch.cat((d_line.reshape(tiles, supers, rows), scales), dim=2).view(tiles, supers, Q6_LINES, rows)
+    return torch.cat((codes, lines), dim=2)
+
+
+def q6_k_blocks(tiles: Tensor) -> Tensor:
+    """q6_k_tiles' tiles -> the Q6_K blocks uint8 (N, S, 210) they were made from."""
+    count, supers, _, rows = tiles.shape
+    codes, lines = tiles.split([Q6_CODE_LINES, Q6_LINES], dim=2)
+    words = codes.permute(0, 3, 1, 2).reshape(count * rows, supers * Q6_SUBS, 3)
+    nibbles = words[..., :2].contiguous().view(torch.uint8).view(-1, supers, SUPER // 2)
+    low = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).view(-1, supers, SUPER)
+    high_line = words[..., 2:]  # (N, 16 S, 1)
+    chunks = torch.stack((high_line, high_line >> 8), dim=2)  # (N, 16 S, 2, 1)
+    high = ((chunks >> torch.tensor(HIGH_BITS, dtype=torch.int32)) & 3).to(torch.uint8).view(-1, supers, SUPER)
+
+    def rows_first(t: Tensor) -> Tensor:  # (N / rows, S, k, rows) -> (N, S, k)
+        return t.permute(0, 3, 1, 2).reshape(count * rows, supers, -1)
+
+    d = rows_first(lines[:, :, :1].contiguous().view(torch.float32)).to(torch.float16)  # exact: it was fp16
+    # its two bytes by arithmetic: a view as bytes would need a last stride of 1, which a (N, S, 1) tensor may lack
+    halves = d.view(torch.int16)
+    d_bytes = torch.stack((halves & 0xFF, (halves >> 8) & 0xFF), dim=-1).to(torch.uint8).reshape(-1, supers, 2)
+    scales = rows_first(lines[:, :, 1:].contiguous().view(torch.uint8).view(count, supers, Q6_SUBS, rows))
+    return torch.cat((_q6_k_code_bytes(low, high), scales, d_bytes), dim=-1)
+
+
+# Q6_K's code bytes: weight 128h + 32k + l (h < 2, k < 4, l < 32) has its low 4 bits in nibble k / 2 of ql byte
+# 64h + 32 (k % 2) + l and its high 2 bits in pair k of qh byte 32h + l (ggml's layout)
+
+
+def _q6_k_codes(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Q6_K blocks (N, S, 210) -> each weight's low 4 bits and high 2 bits, uint8 (N, S, 256) each, in column order."""
+    n, supers, _ = blocks.shape
+    ql = blocks[..., :128].reshape(n, supers, 2, 2, 32)  # (h, k % 2, l)
+    qh = blocks[..., 128:192].reshape(n, supers, 2, 1, 32)  # (h, l)
+    low = torch.cat((ql & 0x0F, ql >> 4), dim=3)  # k = 2 (k / 2) + k % 2
+    high = torch.cat([(qh >> (2 * k)) & 3 for k in range(4)], dim=3)
+    return low.reshape(n, supers, SUPER), high.reshape(n, supers, SUPER)
+
+
+def _q6_k_code_bytes(low: Tensor, high: Tensor) -> Tensor:
+    """_q6_k_codes undone: (N, S, 256) low and high bits -> ql and qh, uint8 (N, S, 192)."""
+    n, supers, _ = low.shape
+    low, high = low.reshape(n, supers, 2, 4, 32), high.reshape(n, supers, 2, 4, 32)
+    ql = low[:, :, :, :2] | (low[:, :, :, 2:] << 4)
+    qh = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
+    return torch.cat((ql.reshape(n, supers, 128), qh.reshape(n, supers, 64)), dim=-1)

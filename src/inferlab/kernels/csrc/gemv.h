@@ -377,11 +377,19 @@ void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* 
 // sum += float(q . codes) * scale * the block's code scale. int4 at int8 codes has about ten times the logit
 // error of its int16 codes against fp32, so the served int4 model keeps int16 unless asked (precision.activations).
 // GGUF's Q4_K is this arithmetic at group 32 (w = d * sc * q - dmin * m per sub-block of 32), so a Q4_K file's
-// weights are laid out as these tiles at load (quant/gguf_tiles.py), with their own scale lines (super_blocks): per
+// weights are laid out as these tiles at load (quant/gguf_tiles.py), with their own scale lines (kind kQ4K): per
 // super-block of 256 columns one line of the rows' fp16 d, then their fp16 -dmin, then the 6-bit sc and m of its 8
 // sub-blocks as int8 lines (8 x L::N each): 148 bytes a row per 256 columns where the file's blocks take 144 (sc and m
 // a byte each, not 6 bits), and exact, where an fp16 scale d * sc would round: each block's scale and min are their
 // products in fp32 (11 by 6 bits: exact), made once per block for every activation row.
+// GGUF's Q6_K is w = d * sc * (q - 32) per sub-block of 16 columns, q 6 bits: the same sums at group 16 (a float update
+// per sub-block) with q's low 4 bits as these chunks and its high 2 bits in one more line per sub-block (kind kQ6K,
+// quant/gguf_tiles.py): per super-block of 256 columns, per sub-block of 16 its two chunks and a line of their 32 high
+// bit pairs, then a line of the rows' d (fp32, exact from fp16) and 4 lines of the 16 sub-blocks' int8 sc, so a tile
+// is one stream. The pairs are put above the nibbles in the int16 lanes nibble_pairs makes (six_bit_pairs:
+// 2 instructions a pair of lanes on AVX-512, made once for every activation row), so the dots take whole 6-bit codes
+// at int4's 4 multiply-adds per chunk and row; the offset -32 is a min, -32 * d * sc per sub-block (exact), met with
+// the sub-block's sum of activation codes as Q4_K's mins are. 212 bytes a row per 256 columns where the blocks take 210.
 struct Int4Format {
   using L = Wide;
   static constexpr int kChunk = kDecodeRows;  // activation rows per pass over a tiled block
@@ -389,12 +397,16 @@ struct Int4Format {
   static constexpr int64_t kBlock = 32;       // columns per float update; the group size is a multiple of it
   static constexpr int64_t kVectorBlocks = L::N / 4;  // blocks of one row a vector holds (16 bytes each)
   static constexpr int64_t kSlack = L::N * L::N;
+  // What a tile made before holds besides its codes: per group fp16 scales and mins (quant/int4.py), or a K-quant's
+  // own lines (Q4_K: group 32; Q6_K: group 16, high bit pairs among the codes)
+  enum class Kind { kGroups, kQ4K, kQ6K };
   const uint8_t* w;                           // (N, K / 2)
-  // chunks of 8 columns, blocks of kBlock, vectors of L::N chunks; stride: int32 per activation row
-  int64_t N, K, group, G, chunks, blocks, vectors, stride;
+  // chunks of 8 columns, blocks of block_cols (kBlock, or a smaller group: Q6_K's 16), vectors of L::N chunks;
+  // stride: int32 per activation row
+  int64_t N, K, group, G, chunks, block_cols, blocks, vectors, stride;
   const float* scales;                        // (N, G)
   const float* mins;                          // (N, G)
-  bool super_blocks;                          // tiles with Q4_K's scale lines (group 32)
+  Kind kind;
   bool int8_x;                                // int8 activation codes per block (x8), else int16 per row (x)
   std::vector<int32_t> x;                     // (M, vectors, 4, L::N): per vector of chunks, for s < 4, the
                                               // activation pairs (x[8c + s], x[8c + s + 4]) of its chunks c
@@ -407,14 +419,15 @@ struct Int4Format {
   std::vector<uint8_t> group_start;           // (blocks,): whether the block is its group's first
 
   Int4Format(const uint8_t* packed, int64_t N_, int64_t K_, int64_t group_, const float* scales_, const float* mins_,
-             const float* xf, int64_t M, bool int8_activations, bool super_blocks_ = false)
-      : w(packed), N(N_), K(K_), group(group_), G(K_ / group_), chunks(K_ / 8), blocks(K_ / kBlock),
-        vectors((chunks + L::N - 1) / L::N), stride(vectors * 4 * L::N), scales(scales_), mins(mins_),
-        super_blocks(super_blocks_), int8_x(int8_activations), x(int8_x ? 0 : M * stride), x8(int8_x ? M * chunks * 2 : 0),
+             const float* xf, int64_t M, bool int8_activations, Kind kind_ = Kind::kGroups)
+      : w(packed), N(N_), K(K_), group(group_), G(K_ / group_), chunks(K_ / 8), block_cols(std::min(group_, kBlock)),
+        blocks(K_ / block_cols), vectors((chunks + L::N - 1) / L::N), stride(vectors * 4 * L::N), scales(scales_),
+        mins(mins_), kind(kind_), int8_x(int8_activations), x(int8_x ? 0 : M * stride), x8(int8_x ? M * chunks * 2 : 0),
         block_scale(int8_x ? M * blocks : 0), x_scale(M), group_sums(M * G), block_group(blocks), group_start(blocks) {
+    TORCH_CHECK(!int8_x || block_cols == kBlock, "gemv: int8 activation codes need blocks of 32 columns");
     for (int64_t kb = 0; kb < blocks; ++kb) {
-      block_group[kb] = kb * kBlock / group;
-      group_start[kb] = kb * kBlock % group == 0;
+      block_group[kb] = kb * block_cols / group;
+      group_start[kb] = kb * block_cols % group == 0;
     }
     for_each_row(M, [&](int64_t m) {
       if (int8_x) return int8_block_codes(xf + m * K, m);
@@ -458,39 +471,64 @@ struct Int4Format {
 
   // A block of L::N weight rows as the dots read it, from a buffer of codes (chunks, L::N) (tiled only), then
   // scales and mins: codes(c) the 4 bytes of chunk c per row, scale(g) and min(g) per row. Made before (in
-  // memory): per group one line of L::N fp16 scales, then L::N fp16 mins (G, 2, L::N), or with super_blocks Q4_K's
-  // lines (kSuperInts a super-block); made here, in a buffer (in cache): fp32 scales (G, L::N), then fp32 mins
+  // memory): per group one line of L::N fp16 scales, then L::N fp16 mins (G, 2, L::N), or a K-quant's lines
+  // (kQ4K: kSuperInts a super-block; kQ6K: kQ6KSuperInts); made here, in a buffer (in cache): fp32 scales (G, L::N),
+  // then fp32 mins
   static constexpr int64_t kSubBlocks = 8;                         // Q4_K: sub-blocks (groups of 32) a super-block
   static constexpr int64_t kSuperInts = (1 + kSubBlocks / 2) * L::N;  // its lines: d and -dmin, then sc and m bytes
+  static constexpr int64_t kQ6KSubBlocks = 16;                     // Q6_K: sub-blocks (groups of 16) a super-block
+  static constexpr int64_t kQ6KCodeLines = kQ6KSubBlocks * 3;       // its lines: per sub-block 2 of nibbles, 1 of pairs
+  static constexpr int64_t kQ6KSuperInts = (kQ6KCodeLines + 1 + kQ6KSubBlocks / 4) * L::N;  // then d, then sc bytes
   struct Tile {
     const int32_t* code_lanes;
     const float *scale_lanes, *min_lanes;  // made here
     const at::Half* half_lanes;            // made before (read from memory, prefetched); else null
-    bool super_blocks;
+    Kind kind;
     bool in_memory() const { return half_lanes != nullptr; }
     L::I codes(int64_t c) const { return L::load_int(code_lanes + c * L::N); }
-    // super_blocks: group g's super-block line of fp16 factors (d, then -dmin) and its int8 line of sc (then m)
+    // kQ6K: sub-block kb's lines, its 2 chunks' low nibbles and then their high bit pairs
+    const int32_t* q6k_codes(int64_t kb) const {
+      return code_lanes + kb / kQ6KSubBlocks * kQ6KSuperInts + kb % kQ6KSubBlocks * 3 * L::N;
+    }
+    // kQ4K: group g's super-block line of fp16 factors (d, then -dmin) and its int8 line of sc (then m)
     const at::Half* factors(int64_t g) const { return half_lanes + g / kSubBlocks * 2 * kSuperInts; }
     const int8_t* sub_scales(int64_t g) const {
       return reinterpret_cast<const int8_t*>(factors(g) + 2 * L::N) + g % kSubBlocks * L::N;
     }
-    L::V scale(int64_t g) const {
-      if (super_blocks) return L::mul(L::load(factors(g)), L::load(sub_scales(g)));
+    // kQ6K: group g's super-block lines, fp32 d and then the int8 sc; a line of them for g to prefetch (the
+    // super-block's spread over its groups)
+    const int32_t* q6k_lines(int64_t g) const {
+      return code_lanes + g / kQ6KSubBlocks * kQ6KSuperInts + kQ6KCodeLines * L::N;
+    }
+    const int32_t* q6k_line(int64_t g) const {
+      return q6k_lines(g) + g % kQ6KSubBlocks * (1 + kQ6KSubBlocks / 4) / kQ6KSubBlocks * L::N;
+    }
+    L::V scale(int64_t g) const {  // kQ6K: Int4Format::q6k_scales
+      if (kind == Kind::kQ4K) return L::mul(L::load(factors(g)), L::load(sub_scales(g)));
       return in_memory() ? L::load(half_lanes + 2 * g * L::N) : L::load(scale_lanes + g * L::N);
     }
     L::V min(int64_t g) const {
-      if (super_blocks) return L::mul(L::load(factors(g) + L::N), L::load(sub_scales(g) + kSubBlocks * L::N));
+      if (kind == Kind::kQ4K) return L::mul(L::load(factors(g) + L::N), L::load(sub_scales(g) + kSubBlocks * L::N));
       return in_memory() ? L::load(half_lanes + (2 * g + 1) * L::N) : L::load(min_lanes + g * L::N);
     }
-    // in memory: the group's scales and mins (super_blocks: a line of its super-block's, 8 groups over its 5 lines)
+    // in memory: the group's scales and mins (Q4_K's: a line of its super-block's, 8 groups over its 5 lines)
     const void* group_line(int64_t g) const {
-      if (super_blocks) return reinterpret_cast<const int32_t*>(factors(g)) + g % kSubBlocks * kSuperInts / kSubBlocks;
+      if (kind == Kind::kQ4K) return reinterpret_cast<const int32_t*>(factors(g)) + g % kSubBlocks * kSuperInts / kSubBlocks;
       return half_lanes + 2 * g * L::N;
     }
   };
   int64_t tile_ints() const { return (chunks + 2 * G) * L::N; }    // one block's buffer, in 4-byte values
-  int64_t stored_ints() const {                                    // one block's tile made before
-    return super_blocks ? chunks * L::N + G / kSubBlocks * kSuperInts : (chunks + G) * L::N;
+  // a stored tile's codes (kQ6K: the whole tile, its lines among them)
+  int64_t code_ints() const { return kind == Kind::kQ6K ? G / kQ6KSubBlocks * kQ6KSuperInts : chunks * L::N; }
+  int64_t stored_ints() const {  // one block's tile made before
+    switch (kind) {
+      case Kind::kQ4K:
+        return code_ints() + G / kSubBlocks * kSuperInts;
+      case Kind::kQ6K:
+        return code_ints();
+      default:
+        return code_ints() + G * L::N;
+    }
   }
   int64_t row_blocks() const { return (N + L::N - 1) / L::N; }
 
@@ -516,7 +554,7 @@ struct Int4Format {
     const float* floats = reinterpret_cast<const float*>(buffer);
     transposed(scales, G, n, buffer);
     transposed(mins, G, n, buffer + G * L::N);
-    return Tile{nullptr, floats, floats + G * L::N, nullptr, false};
+    return Tile{nullptr, floats, floats + G * L::N, nullptr, Kind::kGroups};
   }
   Tile tile(int64_t n, int32_t* buffer) const {  // the whole block of rows n.., written to buffer (tile_ints())
     transposed(w, chunks, n, buffer);
@@ -524,8 +562,8 @@ struct Int4Format {
     t.code_lanes = buffer;
     return t;
   }
-  Tile tile_at(const int32_t* buffer) const {  // a block's tile made before
-    return Tile{buffer, nullptr, nullptr, reinterpret_cast<const at::Half*>(buffer + chunks * L::N), super_blocks};
+  Tile tile_at(const int32_t* buffer) const {  // a block's tile made before (kQ6K: half_lanes only says so)
+    return Tile{buffer, nullptr, nullptr, reinterpret_cast<const at::Half*>(buffer + code_ints()), kind};
   }
 
   // Block kb's scales and (at its group's first block) mins, a lane per row of the block: read once for every
@@ -539,6 +577,14 @@ struct Int4Format {
   BlockScales block_scales(const Tile& rows, int64_t kb) const {
     const int64_t g = block_group[kb];
     return {rows.scale(g), group_start[kb] ? rows.min(g) : L::zero(), g, group_start[kb] != 0};
+  }
+  // kQ6K's: a group a block, d * sc, and q - 32 its min (known at compile time where dot<.., kSix> inlines it: no
+  // test of the kind, of a group's start or of block_group per block of 16 columns, which took a third of a row's time)
+  static BlockScales q6k_scales(const Tile& rows, int64_t kb) {
+    const int32_t* lines = rows.q6k_lines(kb);
+    const L::V scale = L::mul(L::load(reinterpret_cast<const float*>(lines)),
+                              L::load(reinterpret_cast<const int8_t*>(lines + L::N) + kb % kQ6KSubBlocks * L::N));
+    return {scale, L::mul(scale, L::set1(-32.0f)), kb, true};
   }
   // sum (a lane per row of the block) after block kb of activation row m: the one update every path makes;
   // kInt8X: int8_x (chosen at compile time, so the served int16 path carries no test of it per block)
@@ -560,15 +606,31 @@ struct Int4Format {
   // the exact dots from their even-s and (16-fold) odd-s parts
   static L::I joined(L::I even, L::I odd) { return L::add(even, L::shift_right_signed(odd, 4)); }
 
+  // kQ6K: nibble_pairs' w[s] of chunk j (0, 1) of a sub-block made whole 6-bit codes q = nibble + 16 * pair, from the
+  // sub-block's line of high bit pairs. Its pair of column i of chunk j lies at bit 8j + 16 (i / 4) + {0, 4, 2, 6}[i % 4]
+  // (quant/gguf_tiles.py), so one shift brings those of columns s and s + 4 above their nibbles for s = 0, 1 (bits 4
+  // and 20; 8 and 24 where nibble_pairs leaves odd s 16-fold) and another for s = 2, 3
+  static void six_bit_pairs(L::I high, int j, L::I* w) {
+    const L::I even = L::set1_int(0x00300030), odd = L::set1_int(0x03000300);
+    const L::I first = j == 0 ? L::shift_left(high, 4) : L::shift_right(high, 4);
+    const L::I second = j == 0 ? L::shift_left(high, 2) : L::shift_right(high, 6);
+    w[0] = L::masked_or(first, even, w[0]);
+    w[1] = L::masked_or(first, odd, w[1]);
+    w[2] = L::masked_or(second, even, w[2]);
+    w[3] = L::masked_or(second, odd, w[3]);
+  }
+
   // Independent integer sums per activation row in dot<M>: an even-s and an odd-s one per chunk of a group of
   // chunks. Each multiply-add waits for the one before it on its sum (5 cycles), so one or two activation rows with
   // two sums each would wait on that, not on the ports, at under half the multiply-adds a cycle its instructions
   // allow. More rows bring their own sums; past 4 they would not fit the registers.
   static constexpr int chains(int M) { return M == 1 ? 8 : M <= 4 ? 4 : 2; }
 
-  // sum[m] = the tiled block's rows . activation row m0 + m; from_memory as DenseFormat::dot's; kInt8X: int8_x
-  template <int M, bool kInt8X>
+  // sum[m] = the tiled block's rows . activation row m0 + m; from_memory as DenseFormat::dot's; kInt8X: int8_x;
+  // kSix: kQ6K's tiles (blocks of 16 columns)
+  template <int M, bool kInt8X, bool kSix = false>
   void dot(const Tile& rows, int64_t m0, L::V* sum, bool from_memory) const {
+    constexpr int kBlockChunks = kSix ? 2 : kBlock / 8;
     constexpr int C = chains(M), kGroup = C / 2;  // sums per activation row; chunks whose sums are apart
     L::V acc[M];  // not sum itself: through the pointer, each update went to memory and back
     for (int m = 0; m < M; ++m) acc[m] = L::zero();
@@ -577,17 +639,24 @@ struct Int4Format {
       L::I dots[M * C];  // per activation row, per chunk of a group: even s, odd s
       for (int i = 0; i < M * C; ++i) dots[i] = L::zero_int();
       // each line of the tile's stream requests the one kL2PrefetchBytes on, on the first pass over it
-      if (prefetch) prefetch_l2(rows.group_line(block_group[kb]));
-      // the block's chunks lie in one vector of chunks (kBlock / 8 divides L::N): their pairs at block_pairs + j, per
-      // activation row a stride on (computed once a block, not per chunk: address arithmetic off the chunks' path)
-      const int32_t* block_pairs = kInt8X ? x8.data() + (m0 * chunks + kb * kBlock / 8) * 2 : pairs(m0, kb * kBlock / 8);
+      if (prefetch) prefetch_l2(kSix ? rows.q6k_line(kb) : rows.group_line(block_group[kb]));
+      // the block's chunks lie in one vector of chunks (kBlockChunks divides L::N): their pairs at block_pairs + j,
+      // per activation row a stride on (computed once a block, not per chunk: address arithmetic off the chunks' path)
+      const int32_t* block_pairs =
+          kInt8X ? x8.data() + (m0 * chunks + kb * kBlockChunks) * 2 : pairs(m0, kb * kBlockChunks);
+      const L::I high = kSix ? L::load_int(rows.q6k_codes(kb) + 2 * L::N) : L::zero_int();
 #pragma GCC unroll 4  // whole: which sums a chunk updates is then known at compile time, and they stay in registers
-      for (int j = 0; j < kBlock / 8; ++j) {  // the block's chunks
-        const int64_t c = kb * kBlock / 8 + j;
+      for (int j = 0; j < kBlockChunks; ++j) {  // the block's chunks
+        const int64_t c = kb * kBlockChunks + j;
+        const int32_t* line = kSix ? rows.q6k_codes(kb) + j * L::N : rows.code_lanes + c * L::N;
         if (prefetch) {  // into L2 far ahead, and from there into L1 a little ahead: each line takes several
                          // instructions, so fewer lines wait in the instruction window than in a dense row
-          prefetch_l2(rows.code_lanes + c * L::N);
-          _mm_prefetch(reinterpret_cast<const char*>(rows.code_lanes + c * L::N) + kL1PrefetchBytes, _MM_HINT_T0);
+          prefetch_l2(line);
+          _mm_prefetch(reinterpret_cast<const char*>(line) + kL1PrefetchBytes, _MM_HINT_T0);
+          if (kSix && j == 1) {  // the sub-block's line of high bit pairs, after its chunks
+            prefetch_l2(line + L::N);
+            _mm_prefetch(reinterpret_cast<const char*>(line + L::N) + kL1PrefetchBytes, _MM_HINT_T0);
+          }
         }
         const int chunk_sums = j % kGroup * 2;
         if constexpr (kInt8X) {
@@ -602,7 +671,8 @@ struct Int4Format {
           continue;
         }
         L::I w[4];
-        nibble_pairs(rows.codes(c), w);
+        nibble_pairs(L::load_int(line), w);
+        if constexpr (kSix) six_bit_pairs(high, j, w);
         for (int m = 0; m < M; ++m) {  // each activation pair broadcast from memory into its instruction
           const int32_t* x_pairs = block_pairs + m * stride + j;
           for (int s = 0; s < 4; ++s) {
@@ -611,7 +681,7 @@ struct Int4Format {
           }
         }
       }
-      const BlockScales scales_of_block = block_scales(rows, kb);
+      const BlockScales scales_of_block = kSix ? q6k_scales(rows, kb) : block_scales(rows, kb);
       for (int m = 0; m < M; ++m) {  // integers: any order of adding them gives the same sums
         if constexpr (kInt8X) {  // the block's quad sums (on AVX2 in int16: at most 8 x 3,810), then into int32
           L::I quads = dots[m * C];
@@ -691,6 +761,8 @@ struct Int4Format {
       streamed<MR>(rows, n, m0, q, sum);
     } else if (int8_x) {
       dot<MR, true>(rows, m0, sum, from_memory);
+    } else if (rows.kind == Kind::kQ6K) {
+      dot<MR, false, true>(rows, m0, sum, from_memory);
     } else {
       dot<MR, false>(rows, m0, sum, from_memory);
     }
@@ -715,7 +787,7 @@ struct Int4Format {
         for (int64_t b = begin; b < end; ++b) rows_of<true>(M, lanes(b * L::N, buffer.data()), b * L::N, 0, bias, y, q.data());
         return;
       }
-      const int64_t per_tile = M <= kDecodeRows ? 1 : std::max<int64_t>(1, kTileBytes / (L::N * K / 2));
+      const int64_t per_tile = M <= kDecodeRows ? 1 : std::max<int64_t>(1, kTileBytes / (code_ints() * 4));
       std::vector<int32_t> buffer(tiled ? 0 : per_tile * tile_ints() + kSlack);
       std::vector<Tile> tiles(per_tile);
       for (int64_t t = begin; t < end; t += per_tile) {
@@ -789,16 +861,18 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 //   tiles from dense_from_rows (> 0) up to kInt4CopyFromRows rows are dequantized to the copy's numbers in cache
 //   instead (amx.h: Int4DequantTiles). `dense_from_rows` 0 (the gemv op): the copy, where given, at any rows.
 //   Or GGUF blocks as the file stores them: uint8 (N, K / weights per block, bytes per block), whose block size names
-//   the format (ggml_blocks.h), without scales or mins; or a Q4_K file's blocks as int4 tiles with Q4_K's scale
-//   lines (Int4Format's super_blocks), int32 (N / L::N, K / 8 + K / 256 * 5, L::N), without scales or mins (they
-//   are the tiles' own, in lines fp16 views could not name). A projection may also be stacked from parts, each its own
-//   rows in its own format (a fused q/k/v whose v a K-quant file keeps in more bits than q and k).
+//   the format (ggml_blocks.h), without scales or mins; or a K-quant file's blocks as int4 tiles with the blocks'
+//   own lines (Int4Format's kQ4K, kQ6K), without scales or mins (they are the tiles' own, in lines fp16 views could
+//   not name): Q4_K int32 (N / L::N, K / 8 + K / 256 * 5, L::N), Q6_K int32 (N / L::N, K / 256, 53, L::N); Q6_K's
+//   meet int16 activation codes whatever int8_from_rows says (int8 codes per block of 32 would straddle its
+//   sub-blocks of 16). A projection may also be stacked from parts, each its own rows in its own format (a fused
+//   q/k/v whose v a K-quant file keeps in more bits than q and k).
 struct Projection {
   at::Tensor weight;
   Floats scales, mins, bias;
   int64_t N = 0, K = 0, group = 0;
   const int32_t* tiles = nullptr;  // int4 tiles: every block's Int4Format::tile
-  bool super_blocks = false;       // tiles of Q4_K blocks (Int4Format's super_blocks)
+  Int4Format::Kind tile_kind = Int4Format::Kind::kGroups;
   int64_t int8_from_rows = 0;
   at::Tensor dense;  // undefined: none
   int64_t dense_from_rows = 0;
@@ -820,15 +894,15 @@ struct Projection {
         scales(is_tiles(w) ? Floats() : optional_floats(scales_)),
         mins(is_tiles(w) ? Floats() : optional_floats(mins_)),
         bias(optional_floats(bias_)),
-        super_blocks(is_tiles(w) && !scales_ && !mins_),
         int8_from_rows(int8_from_rows_),
         dense(dense_ ? *dense_ : at::Tensor()),
         dense_from_rows(dense_from_rows_) {
     const bool int4_rows = w.scalar_type() == at::kByte && w.dim() == 2;
     int64_t groups = 0;  // int4: per row
-    TORCH_CHECK(w.dim() == (is_tiles(w) || is_blocks(w) ? 3 : 2) && w.is_contiguous(),
-                "gemv: weight must be a contiguous (N, K) matrix, int4 tiles (N / lanes, K / 8 + G, lanes) or GGUF "
-                "blocks (N, blocks, bytes per block)");
+    const bool q6k_tiles = is_tiles(w) && w.dim() == 4 && !scales_ && !mins_;
+    TORCH_CHECK((q6k_tiles || w.dim() == (is_tiles(w) || is_blocks(w) ? 3 : 2)) && w.is_contiguous(),
+                "gemv: weight must be a contiguous (N, K) matrix, int4 tiles (N / lanes, K / 8 + G, lanes), Q6_K tiles "
+                "(N / lanes, K / 256, 53, lanes) or GGUF blocks (N, blocks, bytes per block)");
     if (is_blocks(w)) {
       block_bytes = w.size(2);
       const int64_t per_block = block_weights(block_bytes);
@@ -836,10 +910,20 @@ struct Projection {
       TORCH_CHECK(!scales_ && !mins_, "gemv: GGUF blocks hold their own scales");
       N = w.size(0);
       K = w.size(1) * per_block;
-    } else if (super_blocks) {
+    } else if (q6k_tiles) {
+      constexpr int64_t lanes = Int4Format::L::N, lines = Int4Format::kQ6KSuperInts / lanes;
+      TORCH_CHECK(w.size(2) == lines && w.size(3) == lanes, "gemv: Q6_K tiles of this build are (N / ", lanes,
+                  ", K / 256, ", lines, ", ", lanes, ")");
+      tile_kind = Int4Format::Kind::kQ6K;
+      N = w.size(0) * lanes;
+      K = w.size(1) * 256;
+      group = Int4Format::kQ6KSubBlocks;
+      tiles = w.data_ptr<int32_t>();
+    } else if (is_tiles(w) && !scales_ && !mins_) {  // Q4_K's
       constexpr int64_t lanes = Int4Format::L::N, per_super = 256 / 8 + Int4Format::kSuperInts / lanes;  // values
       TORCH_CHECK(w.size(2) == lanes && w.size(1) % per_super == 0,
                   "gemv: Q4_K tiles of this build are (N / ", lanes, ", K / 256 * ", per_super, ", ", lanes, ")");
+      tile_kind = Int4Format::Kind::kQ4K;
       N = w.size(0) * lanes;
       K = w.size(1) / per_super * 256;
       group = Int4Format::kBlock;
@@ -880,7 +964,7 @@ struct Projection {
                   "gemv: weights must be float32, bfloat16, int8 or int4 (uint8 rows, int32 tiles), got ", w.scalar_type());
       TORCH_CHECK(!scales_ || scales_->numel() == N, "gemv: scales must have N = ", N, " values");
     }
-    if (int4_rows || (tiles && !super_blocks)) {
+    if (int4_rows || (tiles && tile_kind == Int4Format::Kind::kGroups)) {
       TORCH_CHECK(groups > 0, "gemv: int4 weights need a scale and a min per group");
       group = K / groups;
       TORCH_CHECK(group % Int4Format::kBlock == 0 && group * groups == K,
@@ -902,7 +986,7 @@ struct Projection {
     }
 #ifdef INFERLAB_AMX
     const bool bf16_products = dense_from_rows > 0 ? M >= dense_from_rows : dense.defined();
-    if (bf16_products && tiles && !super_blocks && Int4DequantTiles::covers(N, K, group) &&
+    if (bf16_products && tiles && tile_kind == Int4Format::Kind::kGroups && Int4DequantTiles::covers(N, K, group) &&
         (M < kInt4CopyFromRows || !dense.defined())) {  // the copy's numbers, made in cache
       Int4DequantTiles(tiles, N, K, group, x, M)(bias.data(), y);
       return;
@@ -941,7 +1025,7 @@ struct Projection {
         break;
       default:  // int4: rows (uint8) or tiles (int32)
         Int4Format(tiles ? nullptr : weight.data_ptr<uint8_t>(), N, K, group, scales.data(), mins.data(), x, M,
-                   int8_from_rows > 0 && M >= int8_from_rows, super_blocks)(
+                   int8_from_rows > 0 && M >= int8_from_rows && tile_kind != Int4Format::Kind::kQ6K, tile_kind)(
             M, bias.data(), y, tiles);
     }
   }

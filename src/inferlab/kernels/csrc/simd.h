@@ -148,6 +148,8 @@ struct Lanes<8> {
   static I and_int(I a, I b) { return _mm256_and_si256(a, b); }
   static I shift_right(I a, int bits) { return _mm256_srli_epi32(a, bits); }
   static I shift_right_signed(I a, int bits) { return _mm256_srai_epi32(a, bits); }
+  static I shift_left(I a, int bits) { return _mm256_slli_epi32(a, bits); }
+  static I masked_or(I a, I mask, I b) { return _mm256_or_si256(_mm256_and_si256(a, mask), b); }  // (a & mask) | b
   // GGUF blocks (ggml_blocks.h), as 2N int16 lanes: 2N bytes widened (unsigned, signed); 16 bytes' low nibbles
   // (first = 0) or high ones (first = 16); int16 shifts by a count known at run time, products, the same value in every
   // lane or in each half; lane i 16 where bit i of `bits` is set, else 0
@@ -268,6 +270,9 @@ struct Lanes<16> {
   static I and_int(I a, I b) { return _mm512_and_si512(a, b); }
   static I shift_right(I a, int bits) { return _mm512_srli_epi32(a, bits); }
   static I shift_right_signed(I a, int bits) { return _mm512_srai_epi32(a, bits); }
+  static I shift_left(I a, int bits) { return _mm512_slli_epi32(a, bits); }
+  // (a & mask) | b in one ternary-logic instruction (truth table 0xEA)
+  static I masked_or(I a, I mask, I b) { return _mm512_ternarylogic_epi32(a, mask, b, 0xEA); }
   static I widen_uint8_16(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static I widen_int8_16(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static I nibbles16(const uint8_t* p, int) {  // both: 32 lanes, the low nibbles of 16 bytes, then their high ones
