@@ -95,13 +95,21 @@ def _q5_k(b: Tensor) -> Tensor:
     return _k_quant(b, _low_high(b[:, 48:176]) | (fifth << 4))
 
 
-def _q6_k(b: Tensor) -> Tensor:
+def q6_k_codes(b: Tensor) -> tuple[Tensor, Tensor]:
+    """Q6_K blocks (n, 210) -> each weight's low 4 bits and high 2 bits, uint8 (n, 256) each, in column order: weight
+    128h + 32k + l (h < 2, k < 4, l < 32) has its low bits in nibble k / 2 of ql byte 64h + 32 (k % 2) + l and its high
+    bits in pair k of qh byte 32h + l."""
     n = b.shape[0]
     ql = b[:, :128].reshape(n, 2, 1, 64)
-    low = torch.cat((ql & 0x0F, ql >> 4), dim=2).reshape(n, 8, 32)  # half, nibble, 64 bytes -> 32-weight runs
+    low = torch.cat((ql & 0x0F, ql >> 4), dim=2).reshape(n, 256)  # half, nibble, 64 bytes -> 32-weight runs
     qh = b[:, 128:192].reshape(n, 2, 1, 32)
     pairs = torch.arange(0, 8, 2, dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
-    high = ((qh >> pairs) & 3).reshape(n, 8, 32)
+    return low, ((qh >> pairs) & 3).reshape(n, 256)
+
+
+def _q6_k(b: Tensor) -> Tensor:
+    n = b.shape[0]
+    low, high = q6_k_codes(b)
     q = ((low | (high << 4)).to(torch.int16) - 32).reshape(n, 16, 16).float()
     step = _half(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()  # (n, 16)
     return (step[..., None] * q).reshape(n, -1)

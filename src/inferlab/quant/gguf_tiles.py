@@ -4,7 +4,7 @@ A Q4_K sub-block of 32 weights is w = (d * sc) * q - (dmin * m), q in [0, 15]: a
 whose scale d * sc fp16 would round (d is fp16, sc 6 bits). So the tiles keep the file's own factors: the codes as
 int4 tiles' chunks (weight rows in vector lanes, read as one stream at any number of activation rows), then per
 super-block of 256 columns a line of the rows' fp16 d and -dmin and the int8 lines of the 8 sub-blocks' sc and m,
-multiplied in the kernel once per block (kernels/csrc/gemv.h: Int4Format's super_blocks). 148 bytes per 256 weights
+multiplied in the kernel once per block (kernels/csrc/gemv.h: Int4Format's kQ4K). 148 bytes per 256 weights
 of a row where the blocks take 144 (sc and m a byte each), and the same numbers: q4_k_blocks gives back the file's
 blocks bit for bit.
 
@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from inferlab.quant.kquants import pack_k_scales, unpack_k_scales
+from inferlab.model.gguf_blocks import q6_k_codes
+from inferlab.quant.kquants import pack_k_scales, q6_k_code_bytes, unpack_k_scales
 
 SUPER = 256  # weights per K-quant block (a super-block)
 SUBS = 8  # Q4_K: its sub-blocks of 32
@@ -102,7 +103,7 @@ def q6_k_tiles(blocks: Tensor, rows: int) -> Tensor:
     (HIGH_BITS), then the rows' d as fp32, then their int8 (16, rows) sc. `rows`: kernels.build.int4_tile_rows."""
     n, supers, _ = blocks.shape
     tiles = n // rows
-    low, high = _q6_k_codes(blocks)  # (N, S, 256) each
+    low, high = (bits.view(n, supers, SUPER) for bits in q6_k_codes(blocks.reshape(-1, blocks.shape[-1])))
     nibbles = (low[..., 0::2] | (low[..., 1::2] << 4)).contiguous().view(torch.int32).view(n, supers * Q6_SUBS, 2)
     # the line's byte 2 half + chunk holds the pairs of columns 4 half.. 4 half + 3 of the chunk, at bits HIGH_BITS[:4]
     pairs = high.view(n, supers * Q6_SUBS, 2, 2, 4).transpose(2, 3)  # (half, chunk, column), a byte a pair
@@ -139,27 +140,5 @@ def q6_k_blocks(tiles: Tensor) -> Tensor:
     halves = d.view(torch.int16)
     d_bytes = torch.stack((halves & 0xFF, (halves >> 8) & 0xFF), dim=-1).to(torch.uint8).reshape(-1, supers, 2)
     scales = rows_first(lines[:, :, 1:].contiguous().view(torch.uint8).view(count, supers, Q6_SUBS, rows))
-    return torch.cat((_q6_k_code_bytes(low, high), scales, d_bytes), dim=-1)
-
-
-# Q6_K's code bytes: weight 128h + 32k + l (h < 2, k < 4, l < 32) has its low 4 bits in nibble k / 2 of ql byte
-# 64h + 32 (k % 2) + l and its high 2 bits in pair k of qh byte 32h + l (ggml's layout)
-
-
-def _q6_k_codes(blocks: Tensor) -> tuple[Tensor, Tensor]:
-    """Q6_K blocks (N, S, 210) -> each weight's low 4 bits and high 2 bits, uint8 (N, S, 256) each, in column order."""
-    n, supers, _ = blocks.shape
-    ql = blocks[..., :128].reshape(n, supers, 2, 2, 32)  # (h, k % 2, l)
-    qh = blocks[..., 128:192].reshape(n, supers, 2, 1, 32)  # (h, l)
-    low = torch.cat((ql & 0x0F, ql >> 4), dim=3)  # k = 2 (k / 2) + k % 2
-    high = torch.cat([(qh >> (2 * k)) & 3 for k in range(4)], dim=3)
-    return low.reshape(n, supers, SUPER), high.reshape(n, supers, SUPER)
-
-
-def _q6_k_code_bytes(low: Tensor, high: Tensor) -> Tensor:
-    """_q6_k_codes undone: (N, S, 256) low and high bits -> ql and qh, uint8 (N, S, 192)."""
-    n, supers, _ = low.shape
-    low, high = low.reshape(n, supers, 2, 4, 32), high.reshape(n, supers, 2, 4, 32)
-    ql = low[:, :, :, :2] | (low[:, :, :, 2:] << 4)
-    qh = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
-    return torch.cat((ql.reshape(n, supers, 128), qh.reshape(n, supers, 64)), dim=-1)
+    code_bytes = q6_k_code_bytes((low | (high << 4)).view(-1, SUPER)).view(count * rows, supers, -1)
+    return torch.cat((code_bytes, scales, d_bytes), dim=-1)

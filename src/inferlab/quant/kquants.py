@@ -88,13 +88,20 @@ def _q6_k(w: Tensor) -> Tensor:
     sc = torch.round(spans / d[:, None]).clamp(0, 127)
     step = (d[:, None] * sc)[..., None]
     q = (torch.where(step > 0, torch.round(w / step.clamp(min=2**-40)), 0).clamp(-32, 31) + 32).to(torch.uint8)
+    scales = sc.to(torch.int8).view(torch.uint8)
+    return torch.cat((q6_k_code_bytes(q.reshape(n, -1)), scales, _fp16_bytes(d)), dim=1)
+
+
+def q6_k_code_bytes(q: Tensor) -> Tensor:
+    """6-bit codes uint8 (n, 256) in column order -> Q6_K's ql and qh bytes (n, 192) (model/gguf_blocks.py's
+    q6_k_codes undone)."""
+    n = q.shape[0]
     q = q.reshape(n, 2, 4, 32)  # half h, quarter k, l: weight 128h + 32k + l
     low = q & 0x0F
     ql = torch.cat((low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)), dim=2)  # (n, 2, 64)
     high = (q >> 4).to(torch.int32) << torch.arange(0, 8, 2, dtype=torch.int32).reshape(1, 1, 4, 1)
     qh = high.sum(dim=2).to(torch.uint8)  # (n, 2, 32)
-    scales = sc.to(torch.int8).view(torch.uint8)
-    return torch.cat((ql.reshape(n, -1), qh.reshape(n, -1), scales, _fp16_bytes(d)), dim=1)
+    return torch.cat((ql.reshape(n, -1), qh.reshape(n, -1)), dim=1)
 
 
 K_QUANTIZERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
