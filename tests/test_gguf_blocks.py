@@ -20,8 +20,8 @@ from inferlab.kernels.build import cpu_gemv_available, int4_tile_rows, kernel_op
 from inferlab.kernels.isa import supported_isas
 from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, dequantize_blocks
 from inferlab.model.transformer import RMSNorm
-from inferlab.quant.gguf_linear import GGUFBlockLinear
-from inferlab.quant.gguf_tiles import q4_k_blocks, q4_k_tiles, q6_k_blocks, q6_k_tiles
+from inferlab.quant.gguf_linear import TILED, GGUFBlockLinear
+from inferlab.quant.gguf_tiles import q4_k_blocks, q4_k_tiles
 from inferlab.quant.kquants import quantize_blocks
 from inferlab.quant.requantize_gguf import LINEAR, requantize_gguf
 
@@ -114,50 +114,72 @@ def test_q4_k_tiles_hold_the_blocks_and_multiply_as_they_do(isa, one_thread):
     assert ((y - exact).abs() <= 0.5 * steps @ w.abs().T + 2e-6 * (x.double().abs() @ w.abs().T)).all()
 
 
-@needs_kernels
-def test_q6_k_tiles_hold_the_blocks_and_multiply_as_they_do(isa, one_thread):
-    """Q6_K blocks laid out as the build's int4 tiles with a line of high bit pairs per sub-block (quant/gguf_tiles.py)
-    give back the very blocks, and the kernel's products of the tiles equal gguf's dequantized values' products at 1,
-    3, 8 and 40 activation rows; every code from 0 to 63 and every int8 scale from -128 to 127 taken (random bytes)."""
-    blocks = random_blocks("Q6_K", 48, 4, seed=11)  # 48 rows: whole blocks of either build's tile rows
-    tiles = q6_k_tiles(blocks, int4_tile_rows())
-    assert tiles.dtype == torch.int32 and torch.equal(q6_k_blocks(tiles), blocks)
-    assert_products_equal_the_reference(tiles, gguf_values(blocks, "Q6_K").double(), "Q6_K tiles")
+LINED = ["Q6_K", "Q5_0", "Q8_0"]  # tiles whose code lines and factor lines are one stream (gemv.h: Int4Format::Lined)
 
 
 @needs_kernels
-def test_q6_k_tiles_at_the_bounds_of_their_integer_sums(isa, one_thread):
-    """Every code 63 (or 0) under scale -128 against activations at their int16 bound: the dots of a sub-block's
-    16-fold odd columns stay within int32 and the products equal the reference."""
-    blocks = random_blocks("Q6_K", 32, 2, seed=12)
-    blocks[:16, :, :192] = 0xFF  # q = 63
-    blocks[16:, :, :192] = 0  # q = 0: w = -32 d sc
-    blocks[..., 192:208] = 0x80  # sc = -128
-    x = torch.full((1, 512), -1.0)
-    w = gguf_values(blocks, "Q6_K").double()
-    y, exact = gemv(x, q6_k_tiles(blocks, int4_tile_rows())).double(), x.double() @ w.T
-    assert ((y - exact).abs() <= 2e-6 * (x.double().abs() @ w.abs().T)).all()  # the codes exact: x is +-max|x|
+@pytest.mark.parametrize("kind", LINED)
+def test_lined_tiles_hold_the_blocks_and_multiply_as_they_do(isa, kind, one_thread):
+    """Q6_K, Q5_0 and Q8_0 blocks laid out as the build's int4 tiles with their high bits (Q6_K's pairs, Q5_0's fifth
+    bits) or int8 codes in lines (quant/gguf_tiles.py) give back the very blocks, and the kernel's products of the
+    tiles equal gguf's dequantized values' products at 1, 3, 8 and 40 activation rows; every code and every Q6_K int8
+    scale taken (random bytes)."""
+    blocks = random_blocks(kind, 48, 1024 // BLOCK_LAYOUTS[kind][0], seed=11)  # 48 rows: whole blocks of tile rows
+    tiles, blocks_again = TILED[kind][:2]
+    tiled = tiles(blocks, int4_tile_rows())
+    assert tiled.dtype == torch.int32 and torch.equal(blocks_again(tiled), blocks)
+    assert_products_equal_the_reference(tiled, gguf_values(blocks, kind).double(), f"{kind} tiles")
+
+
+# Per lined format: its code bytes in a block, the bytes of its largest and of its smallest (most negative) codes
+EXTREME_CODES = {
+    "Q6_K": (slice(0, 192), 0xFF, 0x00),
+    "Q5_0": (slice(2, 22), 0xFF, 0x00),
+    "Q8_0": (slice(2, 34), 0x7F, 0x80),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", LINED)
+def test_lined_tiles_at_the_bounds_of_their_integer_sums(isa, kind, one_thread):
+    """Every code at its largest (or smallest: Q6_K's and Q5_0's 0 is their most negative weight, under Q6_K's scale
+    -128) against activations at their int16 bound, at the kernels' largest K: the dots (of 16-fold odd columns, for
+    nibbles) stay within int32 and the products equal the reference within one fp32 rounding per float update."""
+    k = 32768  # gemv.h's kMaxK
+    blocks = random_blocks(kind, 32, k // BLOCK_LAYOUTS[kind][0], seed=12)
+    codes, largest, smallest = EXTREME_CODES[kind]
+    blocks[:16, :, codes] = largest
+    blocks[16:, :, codes] = smallest
+    if kind == "Q6_K":
+        blocks[..., 192:208] = 0x80  # sc = -128
+    x = torch.full((1, k), -1.0)
+    w = gguf_values(blocks, kind).double()
+    y, exact = gemv(x, TILED[kind][0](blocks, int4_tile_rows())).double(), x.double() @ w.T
+    updates = k // 16  # a float update per block (of 16 or 32 columns), each rounding once
+    assert ((y - exact).abs() <= updates * 2**-24 * (x.double().abs() @ w.abs().T)).all()  # the codes exact: x = -max
 
 
 @needs_kernels
 def test_stacked_parts_each_in_its_format(isa, one_thread):
-    """q/k in Q4_K and v in Q6_K (a K-quant file's fused projection), then a part the tiles' blocks of rows do not
-    divide (kept as blocks), with a bias: the kernel path (decode rows and a prompt chunk, with the RMSNorm fused in)
+    """q/k in Q4_K and v in Q6_K (a K-quant file's fused projection), parts in Q5_0 and Q8_0 (its 32-weight
+    fallbacks), then a part the tiles' blocks of rows do not divide (kept as blocks), with a bias: the kernel path (decode rows and a prompt chunk, with the RMSNorm fused in)
     equals the portable path's dequantize-then-linear within the rounding of the int16 activation codes (half a step
     per activation) and of fp32 sums."""
     torch.manual_seed(6)
-    linear = torch.nn.Linear(512, 101, bias=True)
+    linear = torch.nn.Linear(512, 165, bias=True)
     parts = [
         ("Q4_K", random_blocks("Q4_K", 64, 2, seed=4)),
         ("Q6_K", random_blocks("Q6_K", 32, 2, seed=5)),
+        ("Q5_0", random_blocks("Q5_0", 32, 16, seed=14)),
+        ("Q8_0", random_blocks("Q8_0", 32, 16, seed=15)),
         ("Q6_K", random_blocks("Q6_K", 5, 2, seed=13)),
     ]
     layer = GGUFBlockLinear(linear, parts)
     reference = GGUFBlockLinear(linear, parts, use_kernel=False)
     weights = layer.kernel_weights()
     assert weights.stacked and reference.kernel_weights() is None
-    # Q4_K and Q6_K as the int4 kernel's tiles where whole blocks of its rows
-    assert [p.format for p in weights.every_part()] == ["q4_k_tiles", "q6_k_tiles", "gguf"]
+    # as the int4 kernel's tiles where whole blocks of its rows
+    assert [p.format for p in weights.every_part()] == ["q4_k_tiles", "q6_k_tiles", "q5_0_tiles", "q8_0_tiles", "gguf"]
     assert all(torch.equal(held, given) for (_, held), (_, given) in zip(layer.parts(), parts))
     norm = RMSNorm(512, 1e-5)
     with torch.no_grad():
@@ -173,12 +195,12 @@ def test_stacked_parts_each_in_its_format(isa, one_thread):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-def test_k_quant_tiles_are_laid_out_again_for_another_build(isa, kind, one_thread):
-    """A layer's Q4_K or Q6_K tiles made under one kernel build serve another whose blocks of tile rows differ (tests
+@pytest.mark.parametrize("kind", list(TILED))
+def test_tiles_are_laid_out_again_for_another_build(isa, kind, one_thread):
+    """A layer's tiles (Q4_K, Q6_K, Q5_0, Q8_0) made under one kernel build serve another whose blocks of tile rows differ (tests
     switch builds; avx2's are 8 rows, avx512's 16): laid out again from the same blocks, to the same products."""
     linear = torch.nn.Linear(512, 64, bias=False)
-    blocks = random_blocks(kind, 64, 2, seed=9)
+    blocks = random_blocks(kind, 64, 512 // BLOCK_LAYOUTS[kind][0], seed=9)
     layer = GGUFBlockLinear(linear, [(kind, blocks)])
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(10))
     with torch.no_grad():
@@ -212,11 +234,13 @@ def tiny_llama(hidden: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-@pytest.fixture(scope="module", params=[("Q4_K_M", 256), ("Q4_K_M", 288), ("Q5_K_M", 256), ("Q6_K", 256)])
+@pytest.fixture(
+    scope="module", params=[("Q4_K_M", 256), ("Q4_K_M", 288), ("Q4_K_M", 320), ("Q5_K_M", 256), ("Q6_K", 256)]
+)
 def kquant_file(request, tmp_path_factory):
     """A tiny Llama written as fp32 GGUF, then requantized to the mix: at width 256 K-quants throughout (layer 2's
-    attn_v and ffn_down in Q6_K under the *_K_M mixes, so its q/k/v is stacked Q4_K + Q6_K), at 288 the 32-weight
-    fallbacks (Q5_0, Q8_0) beside ffn_down's K-quants."""
+    attn_v and ffn_down in Q6_K under the *_K_M mixes, so its q/k/v is stacked Q4_K + Q6_K), at 288 and 320 the 32-weight
+    fallbacks (Q5_0, Q8_0) beside ffn_down's K-quants: at 288 (9 blocks a row) kept as blocks, at 320 as tiles."""
     mix, hidden = request.param
     folder = tmp_path_factory.mktemp(f"{mix}_{hidden}")
     src = write_gguf(tiny_llama(hidden), folder / "f32.gguf", byte_level_vocab(byte_level_backend()))

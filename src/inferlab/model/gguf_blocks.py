@@ -33,12 +33,12 @@ def _half(b: Tensor, at: int) -> Tensor:
     return b[:, at : at + 2].contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs: Tensor) -> Tensor:
+def nibbles(qs: Tensor) -> Tensor:
     """(n, 16) bytes of a 32-weight block -> codes (n, 32): low nibbles first, then high ones."""
     return torch.cat((qs & 0x0F, qs >> 4), dim=1)
 
 
-def _fifth_bits(qh: Tensor) -> Tensor:
+def fifth_bits(qh: Tensor) -> Tensor:
     """(n, 4) bytes, a little-endian 32-bit word -> bit i of it at column i (n, 32), times 16."""
     word = qh.contiguous().view(torch.int32)  # (n, 1)
     return ((word >> torch.arange(32, dtype=torch.int32, device=qh.device)) & 1).to(torch.uint8) << 4
@@ -54,15 +54,15 @@ def _k_scales(b: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _q4_0(b: Tensor) -> Tensor:
-    return _half(b, 0) * (_nibbles(b[:, 2:18]).float() - 8)
+    return _half(b, 0) * (nibbles(b[:, 2:18]).float() - 8)
 
 
 def _q5_0(b: Tensor) -> Tensor:
-    return _half(b, 0) * ((_nibbles(b[:, 6:22]) | _fifth_bits(b[:, 2:6])).float() - 16)
+    return _half(b, 0) * ((nibbles(b[:, 6:22]) | fifth_bits(b[:, 2:6])).float() - 16)
 
 
 def _q5_1(b: Tensor) -> Tensor:
-    return _half(b, 0) * (_nibbles(b[:, 8:24]) | _fifth_bits(b[:, 4:8])).float() + _half(b, 2)
+    return _half(b, 0) * (nibbles(b[:, 8:24]) | fifth_bits(b[:, 4:8])).float() + _half(b, 2)
 
 
 def _q8_0(b: Tensor) -> Tensor:

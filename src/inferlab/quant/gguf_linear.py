@@ -1,7 +1,7 @@
 """A Linear whose weights are a GGUF file's blocks as it stores them (K-quants and the 32-weight block formats), each
 part of a fused projection in its own format, so precision=gguf serves a Q4_K_M file's mixed tensors as they are.
 
-The blocks are read by model/gguf_blocks.py's layouts; Q4_K and Q6_K ones are held as the kernels' int4 tiles where
+The blocks are read by model/gguf_blocks.py's layouts; Q4_K, Q6_K, Q5_0 and Q8_0 ones are held as the kernels' int4 tiles where
 those kernels run (quant/gguf_tiles.py: the same bytes and numbers, read as one stream at any number of rows). Rows are fused and un-permuted exactly as the loader does with
 the dequantized weights (a block holds part of one row, so moving whole rows moves whole blocks).
 """
@@ -26,20 +26,33 @@ from inferlab.model.config import ModelConfig
 from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, dequantize_blocks
 from inferlab.model.gguf_loader import evict, linear_sources, open_gguf, unpermute_qk
 from inferlab.model.transformer import RMSNorm
-from inferlab.quant.gguf_tiles import q4_k_blocks, q4_k_tiles, q6_k_blocks, q6_k_tiles
+from inferlab.quant.gguf_tiles import (
+    PAIR,
+    q4_k_blocks,
+    q4_k_tiles,
+    q5_0_blocks,
+    q5_0_tiles,
+    q6_k_blocks,
+    q6_k_tiles,
+    q8_0_blocks,
+    q8_0_tiles,
+)
 
 Part = tuple[str, Tensor]  # a block format's name and its blocks uint8 (rows, blocks per row, bytes per block)
-# The K-quants held as int4 tiles (quant/gguf_tiles.py): each one's tiles from blocks and back, and its kernel format
-TILED: dict[str, tuple[Callable[[Tensor, int], Tensor], Callable[[Tensor], Tensor], str]] = {
-    "Q4_K": (q4_k_tiles, q4_k_blocks, "q4_k_tiles"),
-    "Q6_K": (q6_k_tiles, q6_k_blocks, "q6_k_tiles"),
+# The block formats held as int4 tiles (quant/gguf_tiles.py): each one's tiles from blocks and back, its kernel format,
+# and the blocks a tile's super-block takes (a part is tiled where they divide its blocks per row)
+TILED: dict[str, tuple[Callable[[Tensor, int], Tensor], Callable[[Tensor], Tensor], str, int]] = {
+    "Q4_K": (q4_k_tiles, q4_k_blocks, "q4_k_tiles", 1),
+    "Q6_K": (q6_k_tiles, q6_k_blocks, "q6_k_tiles", 1),
+    "Q5_0": (q5_0_tiles, q5_0_blocks, "q5_0_tiles", PAIR),
+    "Q8_0": (q8_0_tiles, q8_0_blocks, "q8_0_tiles", PAIR),
 }
 
 
 class GGUFBlockLinear(nn.Module):
     """Drop-in for nn.Linear over GGUF blocks: `parts` stacked along the output rows, each in its own block format.
 
-    The kernels read the blocks where they are (kernels/csrc/ggml_blocks.h), Q4_K and Q6_K ones as int4 tiles made at load
+    The kernels read the blocks where they are (kernels/csrc/ggml_blocks.h), Q4_K, Q6_K, Q5_0 and Q8_0 ones as int4 tiles made at load
     (quant/gguf_tiles.py), at any number of activation rows; the
     portable path (`use_kernel=False`) dequantizes them in torch (model/gguf_blocks.py, gguf's own values) and runs
     F.linear. A KernelLayer (kernels/layer.py)."""
@@ -68,11 +81,11 @@ class GGUFBlockLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def _store(self, i: int, kind: str, blocks: Tensor) -> None:
-        """Hold part i as the kernels read it fastest: Q4_K and Q6_K as the active build's int4 tiles where their
-        blocks of rows divide the part's, else (and for the other formats and the reference path) the blocks as they
-        are."""
+        """Hold part i as the kernels read it fastest: the TILED formats as the active build's int4 tiles where their
+        blocks of rows and columns divide the part's, else (and for the other formats and the reference path) the
+        blocks as they are."""
         layout = int4_layout(blocks.device, self.dtype, blocks.shape[0], self.in_features) if self.use_kernel else ""
-        tiled = kind in TILED and layout == "tiles"
+        tiled = kind in TILED and layout == "tiles" and blocks.shape[1] % TILED[kind][3] == 0
         self.register_buffer(f"blocks_{i}", TILED[kind][0](blocks, int4_tile_rows()) if tiled else blocks)
 
     def _held(self) -> list[tuple[str, Tensor]]:  # each part's kind and what holds it: blocks, or int32 tiles

@@ -13,6 +13,12 @@ a min -32 * d * sc. Its tiles hold, per super-block, the codes' low 4 bits as in
 one more line per sub-block, after its two chunks, then a line of the rows' d as fp32 (exact) and 4 lines of the 16
 sub-blocks' int8 sc (kernels/csrc/gemv.h: Int4Format's kQ6K), so a tile is read as one stream: 212 bytes per 256
 weights of a row where the blocks take 210. q6_k_blocks gives back the file's blocks bit for bit.
+
+The 32-weight blocks a K-quant file keeps where a row is not a multiple of 256, Q5_0 (w = d * (q - 16), q 5 bits) and
+Q8_0 (w = d * q, q int8), are tiles in super-blocks of 2 blocks: per block its code lines, then one line of both
+blocks' fp16 d (kernels/csrc/gemv.h: Int4Format's kQ5_0, kQ8_0), as many bytes as the blocks. Q5_0's code lines are its
+4 int4 chunks of low nibbles and a line of its fifth bits (FIFTH_BITS), Q8_0's per chunk of 8 columns two lines of
+its int8 codes (Q8_0_ORDER). q5_0_blocks and q8_0_blocks give back the file's blocks bit for bit.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from inferlab.model.gguf_blocks import q6_k_codes
+from inferlab.model.gguf_blocks import fifth_bits, nibbles, q6_k_codes
 from inferlab.quant.kquants import pack_k_scales, q6_k_code_bytes, unpack_k_scales
 
 SUPER = 256  # weights per K-quant block (a super-block)
@@ -33,6 +39,13 @@ Q6_CODE_LINES = Q6_SUBS * 3  # per sub-block: its 2 chunks of low nibbles, then 
 # the kernel's six_bit_pairs brings those of columns s and s + 4 above their nibbles with one shift for s = 0, 1 and
 # one for s = 2, 3
 HIGH_BITS = (0, 4, 2, 6, 16, 20, 18, 22)
+PAIR = 2  # Q5_0, Q8_0: blocks a super-block of their tiles (one line holds both blocks' fp16 d)
+# Q8_0: a chunk's two lines, each lane's 4 bytes its columns (s, s + 1, s + 4, s + 5) for s = 0, 2: their int16 are the
+# pairs (s, s + 4) and (s + 1, s + 5) the kernel's int8_pairs sign-extends
+Q8_0_ORDER = tuple(8 * chunk + i for chunk in range(4) for i in (0, 1, 4, 5, 2, 3, 6, 7))
+# Q5_0: the fifth bit of column i of chunk j at bit j + 4 i of its line (8 j + i at j + 4 i: a 4 x 8 transpose of the
+# block's word), where the kernel's fifth_bit_pairs puts those of columns s and s + 4 above their nibbles with one
+# shift for s = 0, 1 and one for s = 2, 3
 
 
 def q4_k_tiles(blocks: Tensor, rows: int) -> Tensor:
@@ -142,3 +155,79 @@ def q6_k_blocks(tiles: Tensor) -> Tensor:
     scales = rows_first(lines[:, :, 1:].contiguous().view(torch.uint8).view(count, supers, Q6_SUBS, rows))
     code_bytes = q6_k_code_bytes((low | (high << 4)).view(-1, SUPER)).view(count * rows, supers, -1)
     return torch.cat((code_bytes, scales, d_bytes), dim=-1)
+
+
+def _lined(codes: Tensor, d: Tensor, rows: int) -> Tensor:
+    """Q5_0 / Q8_0: each block's code lines int32 (N, B, k) and its fp16 d (N, B) -> tiles int32
+    (N / rows, B / 2, 2 k + 1, rows): per super-block its 2 blocks' code lines, then their d (rows of block 0's, then
+    of block 1's) as one line."""
+    n, count, k = codes.shape
+    tiles, supers = n // rows, count // PAIR
+    code_lines = codes.reshape(tiles, rows, supers, PAIR * k).permute(0, 2, 3, 1)
+    d_line = d.reshape(tiles, rows, supers, PAIR).permute(0, 2, 3, 1).reshape(tiles, supers, 1, PAIR * rows)
+    return torch.cat((code_lines, d_line.contiguous().view(torch.int32)), dim=2)
+
+
+def _unlined(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """_lined undone: tiles -> (code lines int32 (N, B, k), fp16 d bytes uint8 (N, B, 2))."""
+    count, supers, lines, rows = tiles.shape
+    codes = tiles[:, :, :-1].permute(0, 3, 1, 2).reshape(count * rows, supers * PAIR, (lines - 1) // PAIR)
+    d = tiles[:, :, -1:].contiguous().view(torch.float16).reshape(count, supers, PAIR, rows).permute(0, 3, 1, 2)
+    return codes, d.contiguous().view(torch.uint8).view(count * rows, supers * PAIR, 2)
+
+
+def _d(blocks: Tensor) -> Tensor:
+    """The fp16 d of 32-weight blocks uint8 (N, B, bytes) (their first 2 bytes) -> (N, B)."""
+    return blocks[..., :2].contiguous().view(torch.float16)[..., 0]
+
+
+def _packed_bits(bits: Tensor) -> Tensor:
+    """Bits uint8 (..., 8 n), 0 or 1 -> n bytes (..., n), bit i of byte b from bits[8 b + i]."""
+    places = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return (bits.unflatten(-1, (-1, 8)) << places).sum(dim=-1, dtype=torch.uint8)
+
+
+def _transposed_bits(word: Tensor, shape: tuple[int, int]) -> Tensor:
+    """32-bit words as bytes uint8 (n, 4) -> the words whose bit b is bit b' of these, where b' at index b of
+    the bits (shape) transposed: (4, 8) makes Q5_0's word a line of FIFTH_BITS, (8, 4) undoes it."""
+    bits = (fifth_bits(word) >> 4).view(-1, *shape).transpose(1, 2).reshape(-1, 32)
+    return _packed_bits(bits)
+
+
+def q5_0_tiles(blocks: Tensor, rows: int) -> Tensor:
+    """Q5_0 blocks uint8 (N, B, 22) -> tiles int32 (N / rows, B / 2, 11, rows): per block its 4 int4 chunks (as
+    q4_k_tiles') and its line of fifth bits, then per 2 blocks their fp16 d. `rows`: kernels.build.int4_tile_rows."""
+    n, count, _ = blocks.shape
+    flat = blocks.reshape(n * count, -1)
+    low = nibbles(flat[:, 6:22])  # (N B, 32), column order
+    chunks = (low[:, 0::2] | (low[:, 1::2] << 4)).view(torch.int32)  # (N B, 4)
+    fifth = _transposed_bits(flat[:, 2:6], (4, 8)).view(torch.int32)  # (N B, 1)
+    return _lined(torch.cat((chunks, fifth), dim=1).view(n, count, -1), _d(blocks), rows)
+
+
+def q5_0_blocks(tiles: Tensor) -> Tensor:
+    """q5_0_tiles' tiles -> the Q5_0 blocks uint8 (N, B, 22) they were made from."""
+    codes, d = _unlined(tiles)
+    n, count, _ = codes.shape
+    lines = codes.reshape(n * count, -1)
+    chunk_bytes = lines[:, :4].contiguous().view(torch.uint8)  # (N B, 16): columns 2t, 2t + 1 in byte t
+    low = torch.stack((chunk_bytes & 0x0F, chunk_bytes >> 4), dim=-1).reshape(-1, 32)
+    qs = low[:, :16] | (low[:, 16:] << 4)
+    qh = _transposed_bits(lines[:, 4:].contiguous().view(torch.uint8), (8, 4))
+    return torch.cat((d, qh.view(n, count, 4), qs.view(n, count, 16)), dim=-1)
+
+
+def q8_0_tiles(blocks: Tensor, rows: int) -> Tensor:
+    """Q8_0 blocks uint8 (N, B, 34) -> tiles int32 (N / rows, B / 2, 17, rows): per block its 8 lines of int8 codes
+    (Q8_0_ORDER), then per 2 blocks their fp16 d. `rows`: kernels.build.int4_tile_rows."""
+    n, count, _ = blocks.shape
+    order = torch.tensor(Q8_0_ORDER, device=blocks.device)
+    codes = blocks[..., 2:].index_select(-1, order).view(torch.int32)  # (N, B, 8)
+    return _lined(codes, _d(blocks), rows)
+
+
+def q8_0_blocks(tiles: Tensor) -> Tensor:
+    """q8_0_tiles' tiles -> the Q8_0 blocks uint8 (N, B, 34) they were made from."""
+    codes, d = _unlined(tiles)
+    inverse = torch.argsort(torch.tensor(Q8_0_ORDER, device=tiles.device))
+    return torch.cat((d, codes.contiguous().view(torch.uint8).index_select(-1, inverse)), dim=-1)

@@ -390,6 +390,13 @@ void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* 
 // 2 instructions a pair of lanes on AVX-512, made once for every activation row), so the dots take whole 6-bit codes
 // at int4's 4 multiply-adds per chunk and row; the offset -32 is a min, -32 * d * sc per sub-block (exact), met with
 // the sub-block's sum of activation codes as Q4_K's mins are. 212 bytes a row per 256 columns where the blocks take 210.
+// GGUF's 32-weight blocks Q5_0 (w = d * (q - 16), q 5 bits) and Q8_0 (w = d * q, q int8), where a K-quant file's rows
+// are not a multiple of 256, are tiles the same way, in super-blocks of 2 blocks (64 columns) whose last line holds
+// both blocks' fp16 d (kinds kQ5_0, kQ8_0; quant/gguf_tiles.py): as many bytes as the file's blocks. Q5_0: per block
+// its 4 chunks of low nibbles and a line of its 32 fifth bits, put above the nibbles as Q6_K's pairs are
+// (fifth_bit_pairs), the offset -16 a min -16 * d. Q8_0: per chunk 2 lines of int8 codes, each lane's 4 bytes columns
+// (s, s + 1, s + 4, s + 5) for s = 0 and 2, whose int16 pairs (s, s + 4) and (s + 1, s + 5) are their low and high
+// bytes sign-extended (int8_pairs, 3 instructions a line), met with the same activation pairs; no min.
 struct Int4Format {
   using L = Wide;
   static constexpr int kChunk = kDecodeRows;  // activation rows per pass over a tiled block
@@ -398,8 +405,11 @@ struct Int4Format {
   static constexpr int64_t kVectorBlocks = L::N / 4;  // blocks of one row a vector holds (16 bytes each)
   static constexpr int64_t kSlack = L::N * L::N;
   // What a tile made before holds besides its codes: per group fp16 scales and mins (quant/int4.py), or a K-quant's
-  // own lines (Q4_K: group 32; Q6_K: group 16, high bit pairs among the codes)
-  enum class Kind { kGroups, kQ4K, kQ6K };
+  // own lines (Q4_K: group 32; Q6_K: group 16, high bit pairs among the codes; Q5_0: fifth bits among them; Q8_0)
+  enum class Kind { kGroups, kQ4K, kQ6K, kQ5_0, kQ8_0 };
+  // int8 activation codes per block (int8_x) take nibbles alone: not Q6_K's (its sub-blocks of 16 would straddle
+  // their blocks of 32), Q5_0's or Q8_0's
+  static constexpr bool takes_int8_codes(Kind kind) { return kind == Kind::kGroups || kind == Kind::kQ4K; }
   const uint8_t* w;                           // (N, K / 2)
   // chunks of 8 columns, blocks of block_cols (kBlock, or a smaller group: Q6_K's 16), vectors of L::N chunks;
   // stride: int32 per activation row
@@ -472,13 +482,22 @@ struct Int4Format {
   // A block of L::N weight rows as the dots read it, from a buffer of codes (chunks, L::N) (tiled only), then
   // scales and mins: codes(c) the 4 bytes of chunk c per row, scale(g) and min(g) per row. Made before (in
   // memory): per group one line of L::N fp16 scales, then L::N fp16 mins (G, 2, L::N), or a K-quant's lines
-  // (kQ4K: kSuperInts a super-block; kQ6K: kQ6KSuperInts); made here, in a buffer (in cache): fp32 scales (G, L::N),
+  // (kQ4K: kSuperInts a super-block; lined kinds: Lined::super_ints); made here, in a buffer (in cache): fp32 scales (G, L::N),
   // then fp32 mins
   static constexpr int64_t kSubBlocks = 8;                         // Q4_K: sub-blocks (groups of 32) a super-block
   static constexpr int64_t kSuperInts = (1 + kSubBlocks / 2) * L::N;  // its lines: d and -dmin, then sc and m bytes
-  static constexpr int64_t kQ6KSubBlocks = 16;                     // Q6_K: sub-blocks (groups of 16) a super-block
-  static constexpr int64_t kQ6KCodeLines = kQ6KSubBlocks * 3;       // its lines: per sub-block 2 of nibbles, 1 of pairs
-  static constexpr int64_t kQ6KSuperInts = (kQ6KCodeLines + 1 + kQ6KSubBlocks / 4) * L::N;  // then d, then sc bytes
+  // The kinds whose tiles are one stream of super-blocks (kQ6K, kQ5_0, kQ8_0): `blocks` blocks (groups) of `cols`
+  // columns, `code_lines` lines each, then `lines` lines of factors. Q6_K: per sub-block 2 of nibbles, 1 of pairs, then
+  // d and 4 of sc bytes; Q5_0: 4 of nibbles, 1 of fifth bits; Q8_0: 8 of int8 codes; both then the 2 blocks' fp16 d
+  struct Lined {
+    int64_t blocks, cols, code_lines, lines;
+    constexpr int64_t code_ints() const { return blocks * code_lines * L::N; }
+    constexpr int64_t super_ints() const { return code_ints() + lines * L::N; }
+  };
+  static constexpr bool is_lined(Kind kind) { return kind == Kind::kQ6K || kind == Kind::kQ5_0 || kind == Kind::kQ8_0; }
+  static constexpr Lined lined(Kind kind) {
+    return kind == Kind::kQ6K ? Lined{16, 16, 3, 5} : kind == Kind::kQ5_0 ? Lined{2, kBlock, 5, 1} : Lined{2, kBlock, 8, 1};
+  }
   struct Tile {
     const int32_t* code_lanes;
     const float *scale_lanes, *min_lanes;  // made here
@@ -486,24 +505,30 @@ struct Int4Format {
     Kind kind;
     bool in_memory() const { return half_lanes != nullptr; }
     L::I codes(int64_t c) const { return L::load_int(code_lanes + c * L::N); }
-    // kQ6K: sub-block kb's lines, its 2 chunks' low nibbles and then their high bit pairs
-    const int32_t* q6k_codes(int64_t kb) const {
-      return code_lanes + kb / kQ6KSubBlocks * kQ6KSuperInts + kb % kQ6KSubBlocks * 3 * L::N;
+    // lined kinds: block kb's code lines (kQ6K: its 2 chunks' low nibbles, then their high bit pairs)
+    template <Kind kLined>
+    const int32_t* lined_codes(int64_t kb) const {
+      constexpr Lined l = lined(kLined);
+      return code_lanes + kb / l.blocks * l.super_ints() + kb % l.blocks * l.code_lines * L::N;
+    }
+    // lined kinds: block kb's super-block lines of factors (kQ6K: fp32 d and then the int8 sc; kQ5_0, kQ8_0: fp16 d),
+    // and a line of them for kb to prefetch (the super-block's spread over its blocks)
+    template <Kind kLined>
+    const int32_t* lined_factors(int64_t kb) const {
+      constexpr Lined l = lined(kLined);
+      return code_lanes + kb / l.blocks * l.super_ints() + l.code_ints();
+    }
+    template <Kind kLined>
+    const int32_t* lined_factor_line(int64_t kb) const {
+      constexpr Lined l = lined(kLined);
+      return lined_factors<kLined>(kb) + kb % l.blocks * l.lines / l.blocks * L::N;
     }
     // kQ4K: group g's super-block line of fp16 factors (d, then -dmin) and its int8 line of sc (then m)
     const at::Half* factors(int64_t g) const { return half_lanes + g / kSubBlocks * 2 * kSuperInts; }
     const int8_t* sub_scales(int64_t g) const {
       return reinterpret_cast<const int8_t*>(factors(g) + 2 * L::N) + g % kSubBlocks * L::N;
     }
-    // kQ6K: group g's super-block lines, fp32 d and then the int8 sc; a line of them for g to prefetch (the
-    // super-block's spread over its groups)
-    const int32_t* q6k_lines(int64_t g) const {
-      return code_lanes + g / kQ6KSubBlocks * kQ6KSuperInts + kQ6KCodeLines * L::N;
-    }
-    const int32_t* q6k_line(int64_t g) const {
-      return q6k_lines(g) + g % kQ6KSubBlocks * (1 + kQ6KSubBlocks / 4) / kQ6KSubBlocks * L::N;
-    }
-    L::V scale(int64_t g) const {  // kQ6K: Int4Format::q6k_scales
+    L::V scale(int64_t g) const {  // lined kinds: Int4Format::lined_scales
       if (kind == Kind::kQ4K) return L::mul(L::load(factors(g)), L::load(sub_scales(g)));
       return in_memory() ? L::load(half_lanes + 2 * g * L::N) : L::load(scale_lanes + g * L::N);
     }
@@ -518,16 +543,16 @@ struct Int4Format {
     }
   };
   int64_t tile_ints() const { return (chunks + 2 * G) * L::N; }    // one block's buffer, in 4-byte values
-  // a stored tile's codes (kQ6K: the whole tile, its lines among them)
-  int64_t code_ints() const { return kind == Kind::kQ6K ? G / kQ6KSubBlocks * kQ6KSuperInts : chunks * L::N; }
+  // a stored tile's codes (lined kinds: the whole tile, its lines among them)
+  int64_t code_ints() const { return is_lined(kind) ? G / lined(kind).blocks * lined(kind).super_ints() : chunks * L::N; }
   int64_t stored_ints() const {  // one block's tile made before
     switch (kind) {
       case Kind::kQ4K:
         return code_ints() + G / kSubBlocks * kSuperInts;
-      case Kind::kQ6K:
-        return code_ints();
-      default:
+      case Kind::kGroups:
         return code_ints() + G * L::N;
+      default:  // lined
+        return code_ints();
     }
   }
   int64_t row_blocks() const { return (N + L::N - 1) / L::N; }
@@ -562,7 +587,7 @@ struct Int4Format {
     t.code_lanes = buffer;
     return t;
   }
-  Tile tile_at(const int32_t* buffer) const {  // a block's tile made before (kQ6K: half_lanes only says so)
+  Tile tile_at(const int32_t* buffer) const {  // a block's tile made before (lined kinds: half_lanes only says so)
     return Tile{buffer, nullptr, nullptr, reinterpret_cast<const at::Half*>(buffer + code_ints()), kind};
   }
 
@@ -578,13 +603,20 @@ struct Int4Format {
     const int64_t g = block_group[kb];
     return {rows.scale(g), group_start[kb] ? rows.min(g) : L::zero(), g, group_start[kb] != 0};
   }
-  // kQ6K's: a group a block, d * sc, and q - 32 its min (known at compile time where dot<.., kSix> inlines it: no
-  // test of the kind, of a group's start or of block_group per block of 16 columns, which took a third of a row's time)
-  static BlockScales q6k_scales(const Tile& rows, int64_t kb) {
-    const int32_t* lines = rows.q6k_lines(kb);
-    const L::V scale = L::mul(L::load(reinterpret_cast<const float*>(lines)),
-                              L::load(reinterpret_cast<const int8_t*>(lines + L::N) + kb % kQ6KSubBlocks * L::N));
-    return {scale, L::mul(scale, L::set1(-32.0f)), kb, true};
+  // The lined kinds': a group a block (known at compile time where dot<.., kLined> inlines it: no test of the kind, of
+  // a group's start or of block_group per block, which took a third of a Q6_K row's time). kQ6K: d * sc, and q - 32
+  // its min; kQ5_0: d, and q - 16 its min; kQ8_0: d, no min
+  template <Kind kLined>
+  static BlockScales lined_scales(const Tile& rows, int64_t kb) {
+    const int32_t* lines = rows.lined_factors<kLined>(kb);
+    if constexpr (kLined == Kind::kQ6K) {
+      const L::V scale = L::mul(L::load(reinterpret_cast<const float*>(lines)),
+                                L::load(reinterpret_cast<const int8_t*>(lines + L::N) + kb % lined(kLined).blocks * L::N));
+      return {scale, L::mul(scale, L::set1(-32.0f)), kb, true};
+    }
+    const L::V d = L::load(reinterpret_cast<const at::Half*>(lines) + kb % lined(kLined).blocks * L::N);
+    if constexpr (kLined == Kind::kQ5_0) return {d, L::mul(d, L::set1(-16.0f)), kb, true};
+    return {d, L::zero(), kb, false};
   }
   // sum (a lane per row of the block) after block kb of activation row m: the one update every path makes;
   // kInt8X: int8_x (chosen at compile time, so the served int16 path carries no test of it per block)
@@ -606,18 +638,38 @@ struct Int4Format {
   // the exact dots from their even-s and (16-fold) odd-s parts
   static L::I joined(L::I even, L::I odd) { return L::add(even, L::shift_right_signed(odd, 4)); }
 
-  // kQ6K: nibble_pairs' w[s] of chunk j (0, 1) of a sub-block made whole 6-bit codes q = nibble + 16 * pair, from the
-  // sub-block's line of high bit pairs. Its pair of column i of chunk j lies at bit 8j + 16 (i / 4) + {0, 4, 2, 6}[i % 4]
-  // (quant/gguf_tiles.py), so one shift brings those of columns s and s + 4 above their nibbles for s = 0, 1 (bits 4
-  // and 20; 8 and 24 where nibble_pairs leaves odd s 16-fold) and another for s = 2, 3
-  static void six_bit_pairs(L::I high, int j, L::I* w) {
-    const L::I even = L::set1_int(0x00300030), odd = L::set1_int(0x03000300);
-    const L::I first = j == 0 ? L::shift_left(high, 4) : L::shift_right(high, 4);
-    const L::I second = j == 0 ? L::shift_left(high, 2) : L::shift_right(high, 6);
+  // nibble_pairs' w[s] with high bits above the nibbles: `first` holds those of columns s and s + 4 for s = 0, 1 and
+  // `second` for s = 2, 3 at bits 4 and 20 (even s; `even` masks them) and 8 and 24 (odd s, which nibble_pairs leaves
+  // 16-fold; `odd`)
+  static void high_bit_pairs(L::I first, L::I second, L::I even, L::I odd, L::I* w) {
     w[0] = L::masked_or(first, even, w[0]);
     w[1] = L::masked_or(first, odd, w[1]);
     w[2] = L::masked_or(second, even, w[2]);
     w[3] = L::masked_or(second, odd, w[3]);
+  }
+  // kQ6K: nibble_pairs' w[s] of chunk j (0, 1) of a sub-block made whole 6-bit codes q = nibble + 16 * pair, from the
+  // sub-block's line of high bit pairs. Its pair of column i of chunk j lies at bit 8j + 16 (i / 4) + {0, 4, 2, 6}[i % 4]
+  // (quant/gguf_tiles.py), so one shift brings those of columns s and s + 4 above their nibbles for s = 0, 1 and
+  // another for s = 2, 3
+  static void six_bit_pairs(L::I high, int j, L::I* w) {
+    const L::I first = j == 0 ? L::shift_left(high, 4) : L::shift_right(high, 4);
+    const L::I second = j == 0 ? L::shift_left(high, 2) : L::shift_right(high, 6);
+    high_bit_pairs(first, second, L::set1_int(0x00300030), L::set1_int(0x03000300), w);
+  }
+  // kQ5_0: nibble_pairs' w[s] of chunk j (< 4) of a block made whole 5-bit codes q = nibble + 16 * fifth bit, from the
+  // block's line of fifth bits: that of column i of chunk j at bit j + 4i (quant/gguf_tiles.py), so a shift left by
+  // 4 - j brings columns 0, 1 (and 4, 5) to bits 4, 8 (20, 24) and one right by 4 + j columns 2, 3 (6, 7)
+  static void fifth_bit_pairs(L::I fifth, int j, L::I* w) {
+    high_bit_pairs(L::shift_left(fifth, 4 - j), L::shift_right(fifth, 4 + j), L::set1_int(0x00100010),
+                   L::set1_int(0x01000100), w);
+  }
+  // kQ8_0: a chunk's two lines of int8 codes, each lane's bytes its columns (s, s + 1, s + 4, s + 5) for s = 0, 2 ->
+  // w[s] the int16 pairs (columns s, s + 4): the low bytes of a line's int16 sign-extended, then its high ones
+  static void int8_pairs(L::I first, L::I second, L::I* w) {
+    w[0] = L::shift_right_signed16(L::shift_left16(first, 8), 8);
+    w[1] = L::shift_right_signed16(first, 8);
+    w[2] = L::shift_right_signed16(L::shift_left16(second, 8), 8);
+    w[3] = L::shift_right_signed16(second, 8);
   }
 
   // Independent integer sums per activation row in dot<M>: an even-s and an odd-s one per chunk of a group of
@@ -627,10 +679,12 @@ struct Int4Format {
   static constexpr int chains(int M) { return M == 1 ? 8 : M <= 4 ? 4 : 2; }
 
   // sum[m] = the tiled block's rows . activation row m0 + m; from_memory as DenseFormat::dot's; kInt8X: int8_x;
-  // kSix: kQ6K's tiles (blocks of 16 columns)
-  template <int M, bool kInt8X, bool kSix = false>
+  // kTiles: a lined kind's tiles (kQ6K: blocks of 16 columns), else kGroups (kQ4K's too)
+  template <int M, bool kInt8X, Kind kTiles = Kind::kGroups>
   void dot(const Tile& rows, int64_t m0, L::V* sum, bool from_memory) const {
-    constexpr int kBlockChunks = kSix ? 2 : kBlock / 8;
+    constexpr bool kLined = is_lined(kTiles), kHighLine = kTiles == Kind::kQ6K || kTiles == Kind::kQ5_0;
+    constexpr int kBlockChunks = (kLined ? lined(kTiles).cols : kBlock) / 8;
+    constexpr int kChunkLines = kTiles == Kind::kQ8_0 ? 2 : 1;
     constexpr int C = chains(M), kGroup = C / 2;  // sums per activation row; chunks whose sums are apart
     L::V acc[M];  // not sum itself: through the pointer, each update went to memory and back
     for (int m = 0; m < M; ++m) acc[m] = L::zero();
@@ -639,23 +693,30 @@ struct Int4Format {
       L::I dots[M * C];  // per activation row, per chunk of a group: even s, odd s
       for (int i = 0; i < M * C; ++i) dots[i] = L::zero_int();
       // each line of the tile's stream requests the one kL2PrefetchBytes on, on the first pass over it
-      if (prefetch) prefetch_l2(kSix ? rows.q6k_line(kb) : rows.group_line(block_group[kb]));
+      if (prefetch) {
+        if constexpr (kLined) {
+          prefetch_l2(rows.lined_factor_line<kTiles>(kb));
+        } else {
+          prefetch_l2(rows.group_line(block_group[kb]));
+        }
+      }
       // the block's chunks lie in one vector of chunks (kBlockChunks divides L::N): their pairs at block_pairs + j,
       // per activation row a stride on (computed once a block, not per chunk: address arithmetic off the chunks' path)
       const int32_t* block_pairs =
           kInt8X ? x8.data() + (m0 * chunks + kb * kBlockChunks) * 2 : pairs(m0, kb * kBlockChunks);
-      const L::I high = kSix ? L::load_int(rows.q6k_codes(kb) + 2 * L::N) : L::zero_int();
+      // kQ6K, kQ5_0: the block's line of high bits, after its chunks
+      const L::I high = kHighLine ? L::load_int(rows.lined_codes<kTiles>(kb) + kBlockChunks * L::N) : L::zero_int();
 #pragma GCC unroll 4  // whole: which sums a chunk updates is then known at compile time, and they stay in registers
       for (int j = 0; j < kBlockChunks; ++j) {  // the block's chunks
         const int64_t c = kb * kBlockChunks + j;
-        const int32_t* line = kSix ? rows.q6k_codes(kb) + j * L::N : rows.code_lanes + c * L::N;
+        const int32_t* line =
+            kLined ? rows.lined_codes<kTiles>(kb) + j * kChunkLines * L::N : rows.code_lanes + c * L::N;
         if (prefetch) {  // into L2 far ahead, and from there into L1 a little ahead: each line takes several
-                         // instructions, so fewer lines wait in the instruction window than in a dense row
-          prefetch_l2(line);
-          _mm_prefetch(reinterpret_cast<const char*>(line) + kL1PrefetchBytes, _MM_HINT_T0);
-          if (kSix && j == 1) {  // the sub-block's line of high bit pairs, after its chunks
-            prefetch_l2(line + L::N);
-            _mm_prefetch(reinterpret_cast<const char*>(line + L::N) + kL1PrefetchBytes, _MM_HINT_T0);
+                         // instructions, so fewer lines wait in the instruction window than in a dense row; the
+                         // chunk's lines, and after the block's last chunk its line of high bits
+          for (int i = 0; i < kChunkLines + (kHighLine && j + 1 == kBlockChunks); ++i) {
+            prefetch_l2(line + i * L::N);
+            _mm_prefetch(reinterpret_cast<const char*>(line + i * L::N) + kL1PrefetchBytes, _MM_HINT_T0);
           }
         }
         const int chunk_sums = j % kGroup * 2;
@@ -671,8 +732,13 @@ struct Int4Format {
           continue;
         }
         L::I w[4];
-        nibble_pairs(L::load_int(line), w);
-        if constexpr (kSix) six_bit_pairs(high, j, w);
+        if constexpr (kTiles == Kind::kQ8_0) {
+          int8_pairs(L::load_int(line), L::load_int(line + L::N), w);
+        } else {
+          nibble_pairs(L::load_int(line), w);
+          if constexpr (kTiles == Kind::kQ6K) six_bit_pairs(high, j, w);
+          if constexpr (kTiles == Kind::kQ5_0) fifth_bit_pairs(high, j, w);
+        }
         for (int m = 0; m < M; ++m) {  // each activation pair broadcast from memory into its instruction
           const int32_t* x_pairs = block_pairs + m * stride + j;
           for (int s = 0; s < 4; ++s) {
@@ -681,7 +747,12 @@ struct Int4Format {
           }
         }
       }
-      const BlockScales scales_of_block = kSix ? q6k_scales(rows, kb) : block_scales(rows, kb);
+      BlockScales scales_of_block;
+      if constexpr (kLined) {
+        scales_of_block = lined_scales<kTiles>(rows, kb);
+      } else {
+        scales_of_block = block_scales(rows, kb);
+      }
       for (int m = 0; m < M; ++m) {  // integers: any order of adding them gives the same sums
         if constexpr (kInt8X) {  // the block's quad sums (on AVX2 in int16: at most 8 x 3,810), then into int32
           L::I quads = dots[m * C];
@@ -694,7 +765,9 @@ struct Int4Format {
           even = L::add(even, dots[m * C + j]);
           odd = L::add(odd, dots[m * C + j + 1]);
         }
-        acc[m] = scaled<kInt8X>(acc[m], joined(even, odd), scales_of_block, m0 + m, kb);
+        // kQ8_0's odd s are not 16-fold (no nibbles)
+        const L::I exact = kTiles == Kind::kQ8_0 ? L::add(even, odd) : joined(even, odd);
+        acc[m] = scaled<kInt8X>(acc[m], exact, scales_of_block, m0 + m, kb);
       }
     }
     for (int m = 0; m < M; ++m) sum[m] = acc[m];
@@ -761,10 +834,20 @@ struct Int4Format {
       streamed<MR>(rows, n, m0, q, sum);
     } else if (int8_x) {
       dot<MR, true>(rows, m0, sum, from_memory);
-    } else if (rows.kind == Kind::kQ6K) {
-      dot<MR, false, true>(rows, m0, sum, from_memory);
     } else {
-      dot<MR, false>(rows, m0, sum, from_memory);
+      switch (rows.kind) {
+        case Kind::kQ6K:
+          dot<MR, false, Kind::kQ6K>(rows, m0, sum, from_memory);
+          break;
+        case Kind::kQ5_0:
+          dot<MR, false, Kind::kQ5_0>(rows, m0, sum, from_memory);
+          break;
+        case Kind::kQ8_0:
+          dot<MR, false, Kind::kQ8_0>(rows, m0, sum, from_memory);
+          break;
+        default:
+          dot<MR, false>(rows, m0, sum, from_memory);
+      }
     }
     for (int m = 0; m < MR; ++m) {
       float lanes[L::N];
@@ -862,10 +945,11 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 //   instead (amx.h: Int4DequantTiles). `dense_from_rows` 0 (the gemv op): the copy, where given, at any rows.
 //   Or GGUF blocks as the file stores them: uint8 (N, K / weights per block, bytes per block), whose block size names
 //   the format (ggml_blocks.h), without scales or mins; or a K-quant file's blocks as int4 tiles with the blocks'
-//   own lines (Int4Format's kQ4K, kQ6K), without scales or mins (they are the tiles' own, in lines fp16 views could
-//   not name): Q4_K int32 (N / L::N, K / 8 + K / 256 * 5, L::N), Q6_K int32 (N / L::N, K / 256, 53, L::N); Q6_K's
-//   meet int16 activation codes whatever int8_from_rows says (int8 codes per block of 32 would straddle its
-//   sub-blocks of 16). A projection may also be stacked from parts, each its own rows in its own format (a fused
+//   own lines (Int4Format's kQ4K, kQ6K, kQ5_0, kQ8_0), without scales or mins (they are the tiles' own, in lines fp16
+//   views could not name): Q4_K int32 (N / L::N, K / 8 + K / 256 * 5, L::N), Q6_K int32 (N / L::N, K / 256, 53, L::N),
+//   Q5_0 int32 (N / L::N, K / 64, 11, L::N), Q8_0 int32 (N / L::N, K / 64, 17, L::N) (the lined kinds: their lines per
+//   super-block name them); these three meet int16 activation codes whatever int8_from_rows says
+//   (Int4Format::takes_int8_codes). A projection may also be stacked from parts, each its own rows in its own format (a fused
 //   q/k/v whose v a K-quant file keeps in more bits than q and k).
 struct Projection {
   at::Tensor weight;
@@ -899,10 +983,11 @@ struct Projection {
         dense_from_rows(dense_from_rows_) {
     const bool int4_rows = w.scalar_type() == at::kByte && w.dim() == 2;
     int64_t groups = 0;  // int4: per row
-    const bool q6k_tiles = is_tiles(w) && w.dim() == 4 && !scales_ && !mins_;
-    TORCH_CHECK((q6k_tiles || w.dim() == (is_tiles(w) || is_blocks(w) ? 3 : 2)) && w.is_contiguous(),
-                "gemv: weight must be a contiguous (N, K) matrix, int4 tiles (N / lanes, K / 8 + G, lanes), Q6_K tiles "
-                "(N / lanes, K / 256, 53, lanes) or GGUF blocks (N, blocks, bytes per block)");
+    const bool lined_tiles = is_tiles(w) && w.dim() == 4 && !scales_ && !mins_;
+    TORCH_CHECK((lined_tiles || w.dim() == (is_tiles(w) || is_blocks(w) ? 3 : 2)) && w.is_contiguous(),
+                "gemv: weight must be a contiguous (N, K) matrix, int4 tiles (N / lanes, K / 8 + G, lanes), Q6_K, Q5_0 "
+                "or Q8_0 tiles (N / lanes, K / columns a super-block, lines a super-block, lanes) or GGUF blocks (N, "
+                "blocks, bytes per block)");
     if (is_blocks(w)) {
       block_bytes = w.size(2);
       const int64_t per_block = block_weights(block_bytes);
@@ -910,14 +995,19 @@ struct Projection {
       TORCH_CHECK(!scales_ && !mins_, "gemv: GGUF blocks hold their own scales");
       N = w.size(0);
       K = w.size(1) * per_block;
-    } else if (q6k_tiles) {
-      constexpr int64_t lanes = Int4Format::L::N, lines = Int4Format::kQ6KSuperInts / lanes;
-      TORCH_CHECK(w.size(2) == lines && w.size(3) == lanes, "gemv: Q6_K tiles of this build are (N / ", lanes,
-                  ", K / 256, ", lines, ", ", lanes, ")");
-      tile_kind = Int4Format::Kind::kQ6K;
+    } else if (lined_tiles) {
+      using Kind = Int4Format::Kind;
+      constexpr int64_t lanes = Int4Format::L::N;
+      for (const Kind kind : {Kind::kQ6K, Kind::kQ5_0, Kind::kQ8_0}) {
+        if (w.size(2) * lanes == Int4Format::lined(kind).super_ints()) tile_kind = kind;
+      }
+      TORCH_CHECK(tile_kind != Kind::kGroups && w.size(3) == lanes, "gemv: Q6_K, Q5_0 and Q8_0 tiles of this build are (N / ",
+                  lanes, ", K / 256, 53, ", lanes, "), (N / ", lanes, ", K / 64, 11, ", lanes, ") and (N / ", lanes,
+                  ", K / 64, 17, ", lanes, ")");
+      const Int4Format::Lined lined = Int4Format::lined(tile_kind);
       N = w.size(0) * lanes;
-      K = w.size(1) * 256;
-      group = Int4Format::kQ6KSubBlocks;
+      K = w.size(1) * lined.blocks * lined.cols;
+      group = lined.cols;
       tiles = w.data_ptr<int32_t>();
     } else if (is_tiles(w) && !scales_ && !mins_) {  // Q4_K's
       constexpr int64_t lanes = Int4Format::L::N, per_super = 256 / 8 + Int4Format::kSuperInts / lanes;  // values
@@ -1025,7 +1115,7 @@ struct Projection {
         break;
       default:  // int4: rows (uint8) or tiles (int32)
         Int4Format(tiles ? nullptr : weight.data_ptr<uint8_t>(), N, K, group, scales.data(), mins.data(), x, M,
-                   int8_from_rows > 0 && M >= int8_from_rows && tile_kind != Int4Format::Kind::kQ6K, tile_kind)(
+                   int8_from_rows > 0 && M >= int8_from_rows && Int4Format::takes_int8_codes(tile_kind), tile_kind)(
             M, bias.data(), y, tiles);
     }
   }

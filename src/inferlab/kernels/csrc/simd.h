@@ -160,6 +160,7 @@ struct Lanes<8> {
   }
   static I shift_right16(I a, int bits) { return _mm256_srl_epi16(a, _mm_cvtsi32_si128(bits)); }
   static I shift_left16(I a, int bits) { return _mm256_sll_epi16(a, _mm_cvtsi32_si128(bits)); }
+  static I shift_right_signed16(I a, int bits) { return _mm256_srai_epi16(a, bits); }
   static I sub16(I a, I b) { return _mm256_sub_epi16(a, b); }
   static I mul16(I a, I b) { return _mm256_mullo_epi16(a, b); }
   static I set1_16(int16_t x) { return _mm256_set1_epi16(x); }
@@ -282,6 +283,7 @@ struct Lanes<16> {
   }
   static I shift_right16(I a, int bits) { return _mm512_srl_epi16(a, _mm_cvtsi32_si128(bits)); }
   static I shift_left16(I a, int bits) { return _mm512_sll_epi16(a, _mm_cvtsi32_si128(bits)); }
+  static I shift_right_signed16(I a, int bits) { return _mm512_srai_epi16(a, bits); }
   static I sub16(I a, I b) { return _mm512_sub_epi16(a, b); }
   static I mul16(I a, I b) { return _mm512_mullo_epi16(a, b); }
   static I set1_16(int16_t x) { return _mm512_set1_epi16(x); }
