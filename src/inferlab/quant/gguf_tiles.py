@@ -18,7 +18,7 @@ The 32-weight blocks a K-quant file keeps where a row is not a multiple of 256, 
 Q8_0 (w = d * q, q int8), are tiles in super-blocks of 2 blocks: per block its code lines, then one line of both
 blocks' fp16 d (kernels/csrc/gemv.h: Int4Format's kQ5_0, kQ8_0), as many bytes as the blocks. Q5_0's code lines are its
 4 int4 chunks of low nibbles and a line of its fifth bits (FIFTH_BITS), Q8_0's per chunk of 8 columns two lines of
-its int8 codes (Q8_0_ORDER). q5_0_blocks and q8_0_blocks give back the file's blocks bit for bit.
+its int8 codes (_q8_0_order). q5_0_blocks and q8_0_blocks give back the file's blocks bit for bit.
 """
 
 from __future__ import annotations
@@ -40,9 +40,6 @@ Q6_CODE_LINES = Q6_SUBS * 3  # per sub-block: its 2 chunks of low nibbles, then 
 # one for s = 2, 3
 HIGH_BITS = (0, 4, 2, 6, 16, 20, 18, 22)
 PAIR = 2  # Q5_0, Q8_0: blocks a super-block of their tiles (one line holds both blocks' fp16 d)
-# Q8_0: a chunk's two lines, each lane's 4 bytes its columns (s, s + 1, s + 4, s + 5) for s = 0, 2: their int16 are the
-# pairs (s, s + 4) and (s + 1, s + 5) the kernel's int8_pairs sign-extends
-Q8_0_ORDER = tuple(8 * chunk + i for chunk in range(4) for i in (0, 1, 4, 5, 2, 3, 6, 7))
 # Q5_0: the fifth bit of column i of chunk j at bit j + 4 i of its line (8 j + i at j + 4 i: a 4 x 8 transpose of the
 # block's word), where the kernel's fifth_bit_pairs puts those of columns s and s + 4 above their nibbles with one
 # shift for s = 0, 1 and one for s = 2, 3
@@ -219,15 +216,20 @@ def q5_0_blocks(tiles: Tensor) -> Tensor:
 
 def q8_0_tiles(blocks: Tensor, rows: int) -> Tensor:
     """Q8_0 blocks uint8 (N, B, 34) -> tiles int32 (N / rows, B / 2, 17, rows): per block its 8 lines of int8 codes
-    (Q8_0_ORDER), then per 2 blocks their fp16 d. `rows`: kernels.build.int4_tile_rows."""
+    (_q8_0_order), then per 2 blocks their fp16 d. `rows`: kernels.build.int4_tile_rows."""
     n, count, _ = blocks.shape
-    order = torch.tensor(Q8_0_ORDER, device=blocks.device)
-    codes = blocks[..., 2:].index_select(-1, order).view(torch.int32)  # (N, B, 8)
-    return _lined(codes, _d(blocks), rows)
+    return _lined(_q8_0_order(blocks[..., 2:]).view(torch.int32), _d(blocks), rows)  # codes (N, B, 8)
 
 
 def q8_0_blocks(tiles: Tensor) -> Tensor:
     """q8_0_tiles' tiles -> the Q8_0 blocks uint8 (N, B, 34) they were made from."""
     codes, d = _unlined(tiles)
-    inverse = torch.argsort(torch.tensor(Q8_0_ORDER, device=tiles.device))
-    return torch.cat((d, codes.contiguous().view(torch.uint8).index_select(-1, inverse)), dim=-1)
+    return torch.cat((d, _q8_0_order(codes.contiguous().view(torch.uint8))), dim=-1)
+
+
+def _q8_0_order(codes: Tensor) -> Tensor:
+    """Q8_0's codes uint8 (..., 32) in column order <-> in the tiles' order: a chunk's two lines, each lane's 4 bytes
+    its columns (s, s + 1, s + 4, s + 5) for s = 0, 2, whose int16 are the pairs (s, s + 4) and (s + 1, s + 5) the
+    kernel's int8_pairs sign-extends. Per chunk, column 4 h + 2 p + c at 4 p + 2 h + c (h, p, c < 2): a swap of h and
+    p that undoes itself (a strided copy: a gather by index took 10x as long)."""
+    return codes.unflatten(-1, (4, 2, 2, 2)).transpose(-3, -2).reshape(codes.shape)
