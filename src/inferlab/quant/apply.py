@@ -146,7 +146,7 @@ def quantize_model(
         if read is not None and name in deferred:  # this layer's floats, read now and gone once it is quantized
             linear.weight = nn.Parameter(read(name), requires_grad=False)
         if name == HEAD or mode == "int8":
-            new: nn.Module = Int8Linear(linear, use_kernel=use_kernel)
+            new: nn.Module = Int8Linear(linear, use_kernel=use_kernel, logit_head=name == HEAD)
         elif mode == "gguf":
             if name not in imported:  # float in the file: stays as it is
                 continue
