@@ -31,11 +31,15 @@ def test_moved_weights_compute_the_same_logits_from_one_aligned_arena(tied):
         assert torch.equal(model(tokens, positions), before)
     weights = list(model.parameters())
     assert all(isinstance(w, nn.Parameter) and w.requires_grad for w in weights)
-    # rope tables too; an untied embedding stays where it is (a step looks up a few of its rows)
-    embedding = model.tok_embeddings.weight
-    tensors = [t for t in weights + list(model.buffers()) if tied or t is not embedding]
+    # an untied embedding stays where it is (a step looks up a few of its rows), and so do the rotary tables, which
+    # limit_context cuts later: moved, their whole-context originals stayed in the arena
+    embedding, rope = model.tok_embeddings.weight, [model.rope_cos, model.rope_sin]
+    tensors = [
+        t for t in weights + list(model.buffers()) if (tied or t is not embedding) and all(t is not r for r in rope)
+    ]
     (arena,) = {t.untyped_storage().data_ptr() for t in tensors}  # one storage holds them all
     assert tied or embedding.untyped_storage().data_ptr() != arena
+    assert all(r.untyped_storage().data_ptr() != arena for r in rope)
     first = min(t.data_ptr() for t in tensors)
     assert first % HUGE_PAGE == 0 and moved == sum(-(-t.nbytes // 64) * 64 for t in tensors)
     assert (model.output.weight is model.tok_embeddings.weight) == tied
