@@ -70,3 +70,15 @@ def test_kv_pools_of_both_layouts_lie_on_huge_pages():
     assert all(p.nbytes >= HUGE_PAGE and not p.any() for p in pools)
     if any(p.data_ptr() % HUGE_PAGE for p in pools):
         pytest.skip("this system refuses MADV_HUGEPAGE")
+
+
+def test_a_view_stays_where_it_is():
+    """A view keeps its base: moved, the memory it left would stay resident beside the arena's copy."""
+    module = nn.Module()
+    base = torch.ones(HUGE_PAGE // 4, 4)
+    module.register_buffer("view", base.view(-1, 2, 2))
+    module.register_buffer("whole", torch.ones(HUGE_PAGE // 4, 4))
+    view = module.view.data_ptr()
+    if move_weights_to_huge_pages(module, min_bytes=1) == 0:
+        pytest.skip("this system refuses MADV_HUGEPAGE")
+    assert module.view.data_ptr() == view and module.whole.data_ptr() % HUGE_PAGE == 0
