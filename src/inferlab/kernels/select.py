@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 from torch import nn
@@ -31,19 +32,22 @@ def select_kernels(
     """Swap each plain nn.Linear for the kernel chosen for this device; return the swapped names.
 
     Layers already on the kernels (KernelLayer: the quantized ones of quant/) pick their kernels per call
-    and are left alone, except that `kernels=portable` sends them down their reference path too. With
+    and are left alone, except that `kernels=portable` sends them down their reference path too. bf16 weights are
+    laid out in blocks of rows where the build reads them so (gemv.packs_bf16), in place of their rows. With
     `kernels=fast`, int8 layers (in bf16 where the CPU multiplies bf16) and int4 ones on AMX CPUs also keep a
     dequantized copy for products of many rows when all the copies fit in `dense_copy_mb` (layer.DenseCopyLayer). On
     CPU the weights then move onto huge pages (huge_pages.py).
     """
     fast = fast_kernels_apply(device, dtype, kernels)
+    # weights held by more than one module (a tied embedding's) keep their rows: the others look them up
+    holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     swapped = []
     for name, module in list(model.named_modules()):
         if isinstance(module, KernelLayer):
             module.use_kernel = kernels == "fast"
         for child_name, child in list(module.named_children()):
             if fast and type(child) is nn.Linear:
-                setattr(module, child_name, GemvLinear(child))
+                setattr(module, child_name, GemvLinear(child, pack=holders[id(child.weight)] == 1))
                 swapped.append(f"{name}.{child_name}" if name else child_name)
     if kernels == "fast" and dense_copy_mb:
         keep_dense_copies(model, dtype, dense_copy_mb, device)
