@@ -2,7 +2,8 @@
 read from memory once per call, with the RMSNorm or SwiGLU before the product fused in.
 
 The kernel takes any number of rows. On dense fp32/bf16 weights `F.linear` (oneDNN's GEMM, which reuses each
-weight across rows in registers) wins beyond GEMV_MAX_ROWS rows, so the Python model's plain layers keep it there;
+weight across rows in registers) wins beyond GEMV_MAX_ROWS rows, so the Python model's plain layers keep it there,
+except bf16 layers held in blocks of rows for the avx512 build (pack_bf16), whose kernel keeps up with it at any rows;
 quantized layers take the kernel at any number of rows (it outruns `_weight_int8pack_mm` at many rows too) unless
 they hold a dense copy: int8 beyond GEMV_MAX_ROWS, on the amx build beyond INT8_TILES_MAX_ROWS, int4 beyond
 INT4_KERNEL_MAX_ROWS (on the amx build INT4_KERNEL_MAX_ROWS_AMX) and only on AMX CPUs (elsewhere its many-row
@@ -115,12 +116,13 @@ def packs_bf16(weight: Tensor) -> bool:
     return rows > 0 and n % rows == 0 and k % GEMV_K_STEP == 0 and k <= GEMV_MAX_K
 
 
-def pack_bf16(weight: Tensor) -> Tensor:
+def pack_bf16(weight: Tensor, rows: int | None = None) -> Tensor:
     """bf16 (N, K) weights as csrc/gemv.h's Bf16Blocks reads them (where packs_bf16): (N / 16, K / 2, 32), row n's
     columns 2p and 2p + 1 at [n / 16, p, 2 (n % 16)] and the one after, so that one 64-byte vector holds a pair of
-    columns of 16 rows. The same values, rearranged: unpack_bf16 undoes it."""
+    columns of 16 rows (`rows`: the chosen build's, unless given). The same values, rearranged: unpack_bf16 undoes
+    it."""
     n, k = weight.shape
-    rows = bf16_block_rows()
+    rows = rows or bf16_block_rows()
     return weight.reshape(n // rows, rows, k // 2, 2).transpose(1, 2).reshape(n // rows, k // 2, 2 * rows).contiguous()
 
 
