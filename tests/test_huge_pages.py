@@ -31,11 +31,15 @@ def test_moved_weights_compute_the_same_logits_from_one_aligned_arena(tied):
         assert torch.equal(model(tokens, positions), before)
     weights = list(model.parameters())
     assert all(isinstance(w, nn.Parameter) and w.requires_grad for w in weights)
-    # rope tables too; an untied embedding stays where it is (a step looks up a few of its rows)
-    embedding = model.tok_embeddings.weight
-    tensors = [t for t in weights + list(model.buffers()) if tied or t is not embedding]
+    # an untied embedding stays where it is (a step looks up a few of its rows), and so do the rotary tables, which
+    # limit_context cuts later: moved, their whole-context originals stayed in the arena
+    embedding, rope = model.tok_embeddings.weight, [model.rope_cos, model.rope_sin]
+    tensors = [
+        t for t in weights + list(model.buffers()) if (tied or t is not embedding) and all(t is not r for r in rope)
+    ]
     (arena,) = {t.untyped_storage().data_ptr() for t in tensors}  # one storage holds them all
     assert tied or embedding.untyped_storage().data_ptr() != arena
+    assert all(r.untyped_storage().data_ptr() != arena for r in rope)
     first = min(t.data_ptr() for t in tensors)
     assert first % HUGE_PAGE == 0 and moved == sum(-(-t.nbytes // 64) * 64 for t in tensors)
     assert (model.output.weight is model.tok_embeddings.weight) == tied
@@ -66,3 +70,15 @@ def test_kv_pools_of_both_layouts_lie_on_huge_pages():
     assert all(p.nbytes >= HUGE_PAGE and not p.any() for p in pools)
     if any(p.data_ptr() % HUGE_PAGE for p in pools):
         pytest.skip("this system refuses MADV_HUGEPAGE")
+
+
+def test_a_view_stays_where_it_is():
+    """A view keeps its base: moved, the memory it left would stay resident beside the arena's copy."""
+    module = nn.Module()
+    base = torch.ones(HUGE_PAGE // 4, 4)
+    module.register_buffer("view", base.view(-1, 2, 2))
+    module.register_buffer("whole", torch.ones(HUGE_PAGE // 4, 4))
+    view = module.view.data_ptr()
+    if move_weights_to_huge_pages(module, min_bytes=1) == 0:
+        pytest.skip("this system refuses MADV_HUGEPAGE")
+    assert module.view.data_ptr() == view and module.whole.data_ptr() % HUGE_PAGE == 0

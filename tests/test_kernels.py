@@ -11,7 +11,7 @@ from torch import nn
 
 from inferlab.kernels.attention import decode_attention, decode_attention_applies
 from inferlab.kernels.build import cpu_gemv_available, int4_tile_rows, load_isa, use_isa
-from inferlab.kernels.gemv import GemvLinear, gemv
+from inferlab.kernels.gemv import GemvLinear, gemv, pack_bf16, packs_bf16, unpack_bf16
 from inferlab.kernels.isa import supported_isas
 from inferlab.kernels.select import select_kernels
 from inferlab.model.transformer import RMSNorm, linear_after_glu, linear_after_norm
@@ -281,24 +281,32 @@ def test_a_rows_product_does_not_depend_on_the_other_rows_of_the_call(isa, weigh
 
 
 @needs_gemv
-@pytest.mark.parametrize(("n", "k"), [(208, 1056), (96, 32), (48, 8192)])
-def test_bf16_weights_are_the_bf16_activations_product_and_batch_invariant(isa, n, k):
-    """The avx512 build multiplies bf16 weights by AVX-512 BF16's dots and the amx build on AMX tiles (csrc/amx.h),
-    both with the activations rounded to bf16 (csrc/gemv.h: Bf16DotStep): each row is that product summed in fp32
-    (within fp32 rounding of the exact sum), alone or among 1 to 40 and 70 rows (the tiles' activation rows in tiles
-    of 16: 1, 2, 3 and 5 tiles, whole and partial), with bias and scales; N a multiple of 16 (odd and even counts of
-    16-row blocks), K of 32."""
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(208, 1056), (96, 32), (48, 8192), (64, 1040), (32, 16)])
+def test_bf16_weights_are_the_bf16_activations_product_and_batch_invariant(isa, packed, n, k):
+    """The avx512 build multiplies bf16 weights by AVX-512 BF16's dots, as rows (csrc/gemv.h: Bf16DotStep) or in
+    blocks of 16 rows (Bf16Blocks: gemv.pack_bf16), and the amx build on AMX tiles (csrc/amx.h), all with the
+    activations rounded to bf16: each row is that product summed in fp32 (within fp32 rounding of the exact sum: the
+    blocks' one chain of K / 2 dots per output rounds up to K times), alone or among 1 to 40, 70 and 128 rows (the
+    tiles' activation rows in tiles of 16: 1, 2, 3, 5 and 8 tiles, whole and partial; the blocks' in chunks of up to
+    6), with bias and scales; N a multiple of 16 (odd and even counts of 16-row blocks), K of 32 or only of 16."""
     if isa == "avx2":
         pytest.skip("the avx2 build widens bf16 weights to multiply the fp32 activations")
+    if packed and not packs_bf16(torch.zeros(n, k, dtype=torch.bfloat16)):
+        pytest.skip(f"the {isa} build reads bf16 weights as rows")
     torch.manual_seed(n)
-    weight = (torch.randn(n, k) / k**0.5).bfloat16()
+    rows_weight = (torch.randn(n, k) / k**0.5).bfloat16()
+    weight = pack_bf16(rows_weight) if packed else rows_weight
+    if packed:
+        assert torch.equal(unpack_bf16(weight), rows_weight)
     bias = torch.randn(n)
-    x = torch.randn(70, k) * torch.rand(70, 1) * 4
-    alone = torch.cat([gemv(x[m : m + 1], weight, None, bias, None, False) for m in range(70)])
-    exact = x.bfloat16().double() @ weight.double().T
-    magnitude = x.bfloat16().double().abs() @ weight.double().abs().T
-    assert ((alone.double() - bias.double() - exact).abs() <= 1e-6 * magnitude + 1e-6).all()
-    for rows in [*range(1, 41), 70]:
+    x = torch.randn(128, k) * torch.rand(128, 1) * 4
+    alone = torch.cat([gemv(x[m : m + 1], weight, None, bias, None, False) for m in range(128)])
+    exact = x.bfloat16().double() @ rows_weight.double().T
+    magnitude = x.bfloat16().double().abs() @ rows_weight.double().abs().T
+    rounding = k * 2**-24 if packed else 1e-6
+    assert ((alone.double() - bias.double() - exact).abs() <= rounding * magnitude + 1e-6).all()
+    for rows in [*range(1, 41), 70, 128]:
         assert torch.equal(gemv(x[:rows], weight, None, bias, None, False), alone[:rows]), rows
     # bf16 activations (the Python model's bf16 layers) are the same products, rounded to bf16 on the way out
     plain = gemv(x[:5], weight, None, None, None, False)
@@ -419,6 +427,27 @@ def test_prompt_chunks_attend_causally_beside_single_rows(isa, heads, head_dim):
         tiles = weights.bfloat16().double() @ values / weights.double().sum(-1, keepdim=True)
         assert (out[i, :, 0].double() - tiles[:, 0]).abs().max() <= 2e-3, (s, p)
         assert (out[i : i + 1].double() - expected).abs().max() <= TOLERANCE[torch.bfloat16] * 3, (s, p)
+
+
+@needs_gemv
+@pytest.mark.parametrize("n", [64, 72])
+def test_a_packed_bf16_layer_holds_blocks_in_place_of_its_rows(isa, n):
+    """GemvLinear(pack=True) holds bf16 weights in blocks where the build reads them so (N a multiple of 16 on the
+    avx512 build; 72 rows stay rows), serves any rows from them on the kernel, the same sums for a row alone or
+    among others, and gives the rows back for the portable path (plain_weight)."""
+    torch.manual_seed(n)
+    linear = nn.Linear(64, n, bias=True).to(torch.bfloat16)
+    layer = GemvLinear(linear, pack=True)
+    assert layer.packed() == (isa == "avx512" and n % 16 == 0)
+    assert torch.equal(layer.plain_weight(), linear.weight)
+    assert layer.weight.numel() == linear.weight.numel()  # the blocks replace the rows: no padding, no second copy
+    x = torch.randn(40, 64).bfloat16()
+    with torch.no_grad():
+        y = layer(x)
+        assert torch.equal(torch.cat([layer(x[m : m + 1]) for m in range(40)]), y)
+        assert (y.float() - linear(x).float()).abs().max() <= TOLERANCE[torch.bfloat16]
+        layer.use_kernel = False
+        assert torch.equal(layer(x), linear(x))
 
 
 @needs_gemv

@@ -193,6 +193,17 @@ def int4_tile_rows() -> int:
     return _int4_tile_rows(active_isa().ops)
 
 
+@functools.cache
+def _bf16_block_rows(ops: str) -> int:
+    return getattr(torch.ops, ops).bf16_block_rows()
+
+
+def bf16_block_rows() -> int:
+    """Weight rows per block of bf16 weights laid out for the chosen build (csrc/gemv.h: Bf16Blocks; 16 on the avx512
+    build), 0 where it reads them as rows (avx2; amx, whose tiles take rows)."""
+    return _bf16_block_rows(active_isa().ops)
+
+
 def kernel_classes():
     """The chosen build's classes: kernel_classes().DecodePlan."""
     return getattr(torch.classes, active_isa().ops)

@@ -67,7 +67,8 @@ def many_rows_limit(model: Transformer, isa: str) -> int:
     int4 layers hold copies only on AMX CPUs; elsewhere every int4 step runs fused: without the tiles, oneDNN's GEMM
     over a bf16 copy gains little per row on the int16-code kernel at prompt sizes, loses at a few rows, and the copy
     costs twice the int4 weights' memory. Without AMX, bf16 weights stay on the fused step at any rows: the avx512
-    build's bf16 dots (csrc/gemv.h: Bf16DotStep) run a prompt about as fast as oneDNN's GEMM, and the avx2 build,
+    build's bf16 dots over weights in blocks of 16 rows (csrc/gemv.h: Bf16Blocks) run a prompt about as fast as
+    oneDNN's GEMM or faster, and the avx2 build,
     slower there, keeps its fp32 activations and residual stream, closer to the fp32 model than the bf16 Python model,
     which rounds its residual stream (with AMX the Python model's tiles keep fp32 sums)."""
     limits = [

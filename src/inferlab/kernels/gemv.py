@@ -2,7 +2,8 @@
 read from memory once per call, with the RMSNorm or SwiGLU before the product fused in.
 
 The kernel takes any number of rows. On dense fp32/bf16 weights `F.linear` (oneDNN's GEMM, which reuses each
-weight across rows in registers) wins beyond GEMV_MAX_ROWS rows, so the Python model's plain layers keep it there;
+weight across rows in registers) wins beyond GEMV_MAX_ROWS rows, so the Python model's plain layers keep it there,
+except bf16 layers held in blocks of rows for the avx512 build (pack_bf16), whose kernel keeps up with it at any rows;
 quantized layers take the kernel at any number of rows (it outruns `_weight_int8pack_mm` at many rows too) unless
 they hold a dense copy: int8 beyond GEMV_MAX_ROWS, on the amx build beyond INT8_TILES_MAX_ROWS, int4 beyond
 INT4_KERNEL_MAX_ROWS (on the amx build INT4_KERNEL_MAX_ROWS_AMX) and only on AMX CPUs (elsewhere its many-row
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferlab.kernels.build import active_isa, cpu_gemv_available, kernel_ops
+from inferlab.kernels.build import active_isa, bf16_block_rows, cpu_gemv_available, kernel_ops
 from inferlab.kernels.layer import DenseCopyLayer, KernelWeights
 from inferlab.model.transformer import RMSNorm, swiglu, widened_linear
 
@@ -105,6 +106,32 @@ def gemv(
     return kernel_ops().gemv(x, weight, scales, bias, norm_weight, eps, mins, gated, int8_activations, bf16_from_rows)
 
 
+def packs_bf16(weight: Tensor) -> bool:
+    """The chosen build reads these bf16 (N, K) CPU weights laid out in blocks of rows (pack_bf16): the avx512 build,
+    N a multiple of its 16 rows and K one the kernel takes. Elsewhere they stay rows: the avx2 build widens them, and
+    the amx build's tiles read 16 rows of 32 columns straight from the rows (csrc/amx.h: Bf16Tiles)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu" or not cpu_gemv_available():
+        return False
+    rows, (n, k) = bf16_block_rows(), weight.shape
+    return rows > 0 and n % rows == 0 and k % GEMV_K_STEP == 0 and k <= GEMV_MAX_K
+
+
+def pack_bf16(weight: Tensor, rows: int | None = None) -> Tensor:
+    """bf16 (N, K) weights as csrc/gemv.h's Bf16Blocks reads them (where packs_bf16): (N / 16, K / 2, 32), row n's
+    columns 2p and 2p + 1 at [n / 16, p, 2 (n % 16)] and the one after, so that one 64-byte vector holds a pair of
+    columns of 16 rows (`rows`: the chosen build's, unless given). The same values, rearranged: unpack_bf16 undoes
+    it."""
+    n, k = weight.shape
+    rows = rows or bf16_block_rows()
+    return weight.reshape(n // rows, rows, k // 2, 2).transpose(1, 2).reshape(n // rows, k // 2, 2 * rows).contiguous()
+
+
+def unpack_bf16(blocks: Tensor) -> Tensor:
+    """The (N, K) rows of pack_bf16's blocks (a new tensor)."""
+    count, pairs, width = blocks.shape
+    return blocks.reshape(count, pairs, width // 2, 2).transpose(1, 2).reshape(count * width // 2, 2 * pairs)
+
+
 def prepared_input(x: Tensor, norm: RMSNorm | None, gated: bool) -> Tensor:
     """What a fused kernel does to its input, for the paths that run it as separate ops."""
     if gated:
@@ -118,22 +145,42 @@ class GemvLinear(nn.Module):
 
     fuses_input = True  # model/transformer.py: linear_after_norm, linear_after_glu
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, pack: bool = False) -> None:
+        """`pack`: bf16 weights the build reads in blocks (packs_bf16) are held so, in place of their rows (not for a
+        weight another module shares: a tied embedding looks its rows up)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        if pack and packs_bf16(linear.weight):
+            self.weight = nn.Parameter(pack_bf16(linear.weight.detach()), requires_grad=False)
         self.use_kernel = True
 
+    def packed(self) -> bool:
+        """The weight is held in bf16 blocks (pack_bf16)."""
+        return self.weight.dim() == 3
+
+    def plain_weight(self) -> Tensor:
+        """The (N, K) weight (for a packed one, a new tensor each call: the portable path's, not the served one)."""
+        return unpack_bf16(self.weight) if self.packed() else self.weight
+
+    def on_kernel(self) -> bool:
+        """Products go to the kernel: asked to, and blocks only on a build that reads them (tests switch builds)."""
+        return self.use_kernel and (not self.packed() or (cpu_gemv_available() and bf16_block_rows() > 0))
+
     def kernel_weights(self) -> KernelWeights | None:
-        weight_format = FLOAT_FORMATS.get(self.weight.dtype)
-        if not self.use_kernel or weight_format is None:
+        weight_format = "bf16_blocks" if self.packed() else FLOAT_FORMATS.get(self.weight.dtype)
+        if not self.on_kernel() or weight_format is None:
             return None
         return KernelWeights(weight_format, self.weight, bias=self.bias)
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gated: bool = False) -> Tensor:
-        if self.use_kernel and gemv_fits(x, self.in_features * (1 + gated)):
+        # blocks at any rows: the kernel's many-row products over them run about as fast as oneDNN's GEMM, which
+        # would need the rows back (csrc/gemv.h: Bf16Blocks)
+        max_rows = None if self.packed() else GEMV_MAX_ROWS
+        if self.on_kernel() and gemv_fits(x, self.in_features * (1 + gated), max_rows):
             return gemv(x, self.weight, None, self.bias, norm, gated)
         x = prepared_input(x, norm, gated)
-        if x.dtype != self.weight.dtype:  # fp32 rows over bf16 weights: the LM head's fp32 logits, many rows
-            return widened_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        weight = self.plain_weight()
+        if x.dtype != weight.dtype:  # fp32 rows over bf16 weights: the LM head's fp32 logits, many rows
+            return widened_linear(x, weight, self.bias)
+        return F.linear(x, weight, self.bias)

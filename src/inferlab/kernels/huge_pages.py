@@ -74,15 +74,20 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torc
 
 
 def _large_tensors(model: nn.Module, min_bytes: int) -> dict[int, Tensor]:
-    """Parameters and buffers worth moving, by data pointer (tied weights once): contiguous CPU tensors
-    that own their whole storage."""
+    """Parameters and persistent buffers worth moving, by data pointer (tied weights once): contiguous CPU tensors
+    that own their whole storage. Not the non-persistent buffers, the rotary tables: a step reads a few of their
+    rows, and they are cut to the served context after this (Transformer.limit_context), which left their
+    whole-context originals in the arena (64 MiB at Llama-3.1-8B's 131,072 positions). Not views either: a view keeps
+    its base, so the memory it was moved from would stay (seen: 328 MiB, an embedding's blocks shaped by a view)."""
     found: dict[int, Tensor] = {}
     for module in model.modules():
         if isinstance(module, nn.Embedding):  # a step looks up a few rows: no stream to speed up, a transient to spare
             continue
-        for tensor in [*module._parameters.values(), *module._buffers.values()]:
+        buffers = [b for name, b in module._buffers.items() if name not in module._non_persistent_buffers_set]
+        for tensor in [*module._parameters.values(), *buffers]:
             if (
                 tensor is not None
+                and tensor._base is None
                 and tensor.device.type == "cpu"
                 and tensor.nbytes >= min_bytes
                 and tensor.is_contiguous()

@@ -16,6 +16,7 @@ from torch import Tensor
 FORMAT_DTYPES = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
+    "bf16_blocks": torch.bfloat16,
     "int8": torch.int8,
     "int4": torch.uint8,
     "int4_tiles": torch.int32,
@@ -27,20 +28,21 @@ FORMAT_DTYPES = {
 }
 INT4_FORMATS = ("int4", "int4_tiles")
 # no scales beside the weight: none, or the blocks' own
-UNSCALED_FORMATS = ("fp32", "bf16", "gguf", "q4_k_tiles", "q6_k_tiles", "q5_0_tiles", "q8_0_tiles")
+UNSCALED_FORMATS = ("fp32", "bf16", "bf16_blocks", "gguf", "q4_k_tiles", "q6_k_tiles", "q5_0_tiles", "q8_0_tiles")
 
 
 @dataclass(frozen=True)
 class KernelWeights:
-    """One projection's weights as csrc/gemv.h reads them: w = weight (fp32, bf16), weight * scales (int8,
+    """One projection's weights as csrc/gemv.h reads them: w = weight (fp32, bf16, or bf16 in blocks of 16 rows:
+    kernels/gemv.py's pack_bf16), weight * scales (int8,
     one scale per row), or q * scale + min per group of `group_size` inputs (int4, two codes per byte; as nibble
     rows, or as the kernel's tiles of rows, quant/int4.py's tile_rows), or GGUF blocks as the file stores them
     (model/gguf_blocks.py; their size in bytes names the format), or Q4_K, Q6_K, Q5_0 or Q8_0 blocks as int4 tiles with
     the blocks' own factors (quant/gguf_tiles.py). `stacked`: further rows of the same projection,
     each part in its own format (a GGUF file may keep a fused projection's parts in different ones)."""
 
-    format: str  # "fp32" | "bf16" | "int8" | "int4" | "int4_tiles" | "gguf" | "q4_k_tiles" | "q6_k_tiles" | ...
-    # (N, K) in FORMAT_DTYPES[format]; int4: uint8 (N, K / 2), column 2j in the low nibble; int4_tiles: int32
+    format: str  # "fp32" | "bf16" | "bf16_blocks" | "int8" | "int4" | "int4_tiles" | "gguf" | "q4_k_tiles" | ...
+    # (N, K) in FORMAT_DTYPES[format]; bf16_blocks: (N / 16, K / 2, 32); int4: uint8 (N, K / 2), column 2j in the low nibble; int4_tiles: int32
     # (N / L, K / 8 + G, L), blocks of L rows holding their codes, then per group their fp16 scales and mins; gguf:
     # uint8 (N, K / weights per block, bytes per block); q4_k_tiles: int32 (N / L, K / 8 + K / 256 * 5, L);
     # q6_k_tiles: int32 (N / L, K / 256, 53, L); q5_0_tiles, q8_0_tiles: int32 (N / L, K / 64, 11 or 17, L)

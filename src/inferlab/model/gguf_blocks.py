@@ -26,6 +26,9 @@ BLOCK_LAYOUTS = {
     "Q6_K": (256, 210),
 }
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+# every format dequantized here: the kernels' and Q4_1, which they take as int4 instead (quant/gguf_q4.py) and a token
+# embedding keeps as the file's blocks (quant/gguf_embedding.py)
+ROW_LAYOUTS = {**BLOCK_LAYOUTS, "Q4_1": (32, 20)}
 
 
 def _half(b: Tensor, at: int) -> Tensor:
@@ -56,6 +59,10 @@ def _k_scales(b: Tensor) -> tuple[Tensor, Tensor]:
 
 def _q4_0(b: Tensor) -> Tensor:
     return _half(b, 0) * (nibbles(b[:, 2:18]).float() - 8)
+
+
+def _q4_1(b: Tensor) -> Tensor:
+    return _half(b, 0) * nibbles(b[:, 4:20]).float() + _half(b, 2)
 
 
 def _q5_0(b: Tensor) -> Tensor:
@@ -118,6 +125,7 @@ def _q6_k(b: Tensor) -> Tensor:
 
 DEQUANTIZERS: dict[str, Callable[[Tensor], Tensor]] = {
     "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
     "Q5_0": _q5_0,
     "Q5_1": _q5_1,
     "Q8_0": _q8_0,
@@ -130,5 +138,5 @@ DEQUANTIZERS: dict[str, Callable[[Tensor], Tensor]] = {
 def dequantize_blocks(blocks: Tensor, kind: str) -> Tensor:
     """uint8 blocks (rows, bytes per row) or (rows, blocks, bytes per block) of format `kind` -> fp32 (rows, K)."""
     rows = blocks.shape[0]
-    flat = blocks.reshape(-1, BLOCK_LAYOUTS[kind][1])
+    flat = blocks.reshape(-1, ROW_LAYOUTS[kind][1])
     return DEQUANTIZERS[kind](flat).reshape(rows, -1)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from inferlab.errors import ModelLoadError
 from inferlab.model.config import ModelConfig
-from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, dequantize_blocks
+from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, ROW_LAYOUTS, dequantize_blocks
 from inferlab.model.tokenizer import Tokenizer
 from inferlab.native_memory import return_freed_memory
 
@@ -38,6 +38,8 @@ NORMS = {
     "attention.q_norm": "attn_q_norm",
     "attention.k_norm": "attn_k_norm",
 }
+EMBEDDING_TENSOR = "token_embd.weight"
+EMBEDDING = "tok_embeddings"  # a stand-in's name (load_gguf's defer_linears): quant/gguf_embedding.py keeps its blocks
 TRIM_BYTES = 64 << 20  # loading hands freed temporaries back to the system every this many bytes of weights
 Source = tuple[str, int | None]  # a file tensor's name (without .weight) and the heads to un-permute it by, if any
 
@@ -167,9 +169,10 @@ FLOAT_ITEMS = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "i1", "I16": "<i2
 
 
 def unpermute_qk(w: Tensor, n_heads: int) -> Tensor:
-    """Undo llama.cpp's converter, which interleaves each head's two RoPE halves for its rotary kernel."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    """Undo llama.cpp's converter, which interleaves each head's two RoPE halves for its rotary kernel (w's rows: its
+    first dimension, whatever the others, so a tensor's blocks move as its weights do)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def linear_sources(config: ModelConfig, arch: str, names: set[str], layer: int) -> dict[str, list[Source]]:
@@ -204,7 +207,8 @@ def load_gguf(
     chunks straight into `dtype`; with `defer_linears` (a model quant/ will quantize), no decoder Linear is read
     here: its weight is a stand-in without memory (shape, dtype, device only), which quant/ replaces one layer at a
     time, importing the file's blocks where it can (Q4_1) or reading the layer's floats (`linear_reader`) and
-    quantizing them, so the float model never exists whole."""
+    quantizing them, so the float model never exists whole; an untied embedding in a block format is left too (named
+    EMBEDDING), for quant/ to keep as the file's blocks."""
     reader = open_gguf(path)
     meta = reader.fields
     tensors = {t.name: t for t in reader.tensors}
@@ -222,10 +226,19 @@ def load_gguf(
     factors = {n: get(n + ".weight").float().tolist() for n in ROPE_FACTOR_TENSORS if n + ".weight" in tensors}
     config = ModelConfig.from_gguf_fields(meta, "output.weight" in tensors, factors)
     arch = meta["general.architecture"]
-    state = {"tok_embeddings.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
+    embedding = tensors[EMBEDDING_TENSOR]
+    left: list[str] = []
+    # an untied embedding in a block format stays the file's blocks (quant/gguf_embedding.py): a stand-in here
+    if defer_linears and not config.tie_embeddings and embedding.tensor_type.name in ROW_LAYOUTS:
+        state = {
+            f"{EMBEDDING}.weight": torch.zeros((), dtype=dtype).expand(int(embedding.shape[1]), int(embedding.shape[0]))
+        }
+        left.append(EMBEDDING)
+    else:
+        state = {f"{EMBEDDING}.weight": get(EMBEDDING_TENSOR)}
+    state["norm.weight"] = get("output_norm.weight")
     if "output.weight" in tensors:
         state["output.weight"] = get("output.weight")
-    left: list[str] = []
     for i in range(config.n_layers):
         ours = f"layers.{i}."
         for dst, src in NORMS.items():

@@ -17,15 +17,16 @@ from torch import nn
 from inferlab.errors import QuantizationError
 from inferlab.kernels.aten import int8_kernel_fits
 from inferlab.kernels.build import cpu_gemv_available
-from inferlab.model.gguf_loader import linear_reader
+from inferlab.model.gguf_loader import EMBEDDING, linear_reader
 from inferlab.native_memory import return_freed_memory
+from inferlab.quant.gguf_embedding import GGUFEmbedding, read_gguf_embedding
 from inferlab.quant.gguf_linear import GGUFBlockLinear, read_block_linears
 from inferlab.quant.gguf_q4 import Q4_1_GROUP, read_q4_1_linears
 from inferlab.quant.int4 import Int4GroupLinear, check_group_size
 from inferlab.quant.int8 import Int8Embedding, Int8Linear
 
 MODES = ("int8", "int4", "gguf")
-QUANTIZED = (Int8Linear, Int4GroupLinear, Int8Embedding, GGUFBlockLinear)
+QUANTIZED = (Int8Linear, Int4GroupLinear, Int8Embedding, GGUFBlockLinear, GGUFEmbedding)
 HEAD = "output"
 
 
@@ -132,12 +133,15 @@ def quantize_model(
         imported = read_q4_1_linears(gguf_path, model.config)
     elif gguf_path and mode == "gguf":
         imported = read_block_linears(gguf_path, model.config)
-    deferred = set(stand_ins or ()) - set(imported)
+    deferred = set(stand_ins or ()) - set(imported) - {EMBEDDING}
     if deferred and gguf_path is None:
         raise QuantizationError(f"{sorted(deferred)[0]}: a stand-in weight without its GGUF file to read it from")
     read = linear_reader(gguf_path, model.config, model.tok_embeddings.weight.dtype) if deferred and gguf_path else None
 
     report = QuantReport(mode, group_size, bytes_before=weight_bytes(model))
+    if EMBEDDING in (stand_ins or ()) and gguf_path is not None:  # an untied embedding: the file's blocks as they are
+        weight = model.tok_embeddings.weight
+        model.tok_embeddings = read_gguf_embedding(gguf_path, weight.dtype, weight.device)
     # each float layer goes as soon as its quantized one is in (popped, not kept to the end), its memory handed back
     # at once (malloc keeps freed tensors below its mmap threshold resident, which would raise the load's peak),
     # and the head first: a tied embedding's float matrix (49152 x 576) never coexists with the quantized decoder
@@ -146,7 +150,7 @@ def quantize_model(
         if read is not None and name in deferred:  # this layer's floats, read now and gone once it is quantized
             linear.weight = nn.Parameter(read(name), requires_grad=False)
         if name == HEAD or mode == "int8":
-            new: nn.Module = Int8Linear(linear, use_kernel=use_kernel)
+            new: nn.Module = Int8Linear(linear, use_kernel=use_kernel, logit_head=name == HEAD)
         elif mode == "gguf":
             if name not in imported:  # float in the file: stays as it is
                 continue

@@ -147,11 +147,11 @@ def read_block_linears(path: Path, config: ModelConfig) -> dict[str, Callable[[]
     def get(name: str, n_heads: int | None) -> Part:
         tensor = tensors[name + ".weight"]
         weights, size = BLOCK_LAYOUTS[kind(name)]
-        rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # (rows, bytes per row): a copy, the file goes
+        rows = np.array(tensor.data, dtype=np.uint8)  # (rows, bytes per row): a copy, the file goes
         evict(reader, tensor)
-        if n_heads:
-            rows = unpermute_qk(rows, n_heads)
-        return kind(name), rows.reshape(rows.shape[0], -1, size)
+        # shaped as blocks before torch sees them: a torch view would keep its base (kernels/huge_pages.py)
+        blocks = torch.from_numpy(rows.reshape(rows.shape[0], -1, size))
+        return kind(name), unpermute_qk(blocks, n_heads) if n_heads else blocks
 
     found: dict[str, Callable[[], list[Part]]] = {}
     for i in range(config.n_layers):

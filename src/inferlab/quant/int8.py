@@ -33,11 +33,13 @@ class Int8Linear(nn.Module):
     """Drop-in for nn.Linear holding int8 weights (N, K) and one scale per output row, in the activation dtype.
 
     `use_kernel=False` keeps the plain dequantize-then-linear path: the reference the kernel is tested against.
-    A KernelLayer (kernels/layer.py).
+    `logit_head`: the layer is an LM head, which runs only on the rows whose logits a step wants (one a sequence), so
+    it never keeps a dense copy (dense_copy_pays). A KernelLayer (kernels/layer.py).
     """
 
-    def __init__(self, linear: nn.Linear, use_kernel: bool = True) -> None:
+    def __init__(self, linear: nn.Linear, use_kernel: bool = True, logit_head: bool = False) -> None:
         super().__init__()
+        self.logit_head = logit_head
         weight = linear.weight.detach()
         codes, scales = quantize_rows_int8(weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -62,7 +64,10 @@ class Int8Linear(nn.Module):
     def dense_copy_pays(self, dtype: torch.dtype) -> bool:
         """A bf16 copy only where the CPU multiplies bf16 itself (kernels/isa.py: bf16_gemm_native): elsewhere
         oneDNN's bf16 GEMM converts its operands as it goes and is slower than the int8 kernel at every number of
-        rows."""
+        rows. Never for an LM head: a step's logit rows are its sequences, a decode batch's few, and the fused step
+        never reads the copy (kernels/fused_decode.py), so it only held memory (1,002 MiB at Llama-3.1-8B's head)."""
+        if self.logit_head:
+            return False
         return dtype != torch.bfloat16 or self.weight.device.type != "cpu" or bf16_gemm_native()
 
     def keep_dense_copy(self, out: Tensor) -> int:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from inferlab.errors import QuantizationError
-from inferlab.model.gguf_blocks import BLOCK_LAYOUTS
+from inferlab.model.gguf_blocks import ROW_LAYOUTS
 
 
 def _fp16_bytes(values: Tensor) -> Tensor:
@@ -109,9 +109,9 @@ K_QUANTIZERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 def quantize_blocks(weight: Tensor, kind: str) -> Tensor:
     """weight (N, K) -> uint8 blocks (N, K / weights per block, bytes per block) of format `kind`."""
-    if kind not in BLOCK_LAYOUTS:
-        raise QuantizationError(f"no block format {kind!r}; use one of {list(BLOCK_LAYOUTS)}")
-    per_block, size = BLOCK_LAYOUTS[kind]
+    if kind not in ROW_LAYOUTS:
+        raise QuantizationError(f"no block format {kind!r}; use one of {list(ROW_LAYOUTS)}")
+    per_block, size = ROW_LAYOUTS[kind]
     n, k = weight.shape
     if k % per_block:
         raise QuantizationError(f"{kind} needs rows of a multiple of {per_block} weights, not {k}")

@@ -42,8 +42,9 @@ def mix_format(name: str, columns: int, n_layers: int, mix: str) -> str | None:
     return kind if columns % 256 == 0 else FALLBACK[kind]
 
 
-def requantize_gguf(src: Path, dst: Path, mix: str = "Q4_K_M") -> Path:
-    """Write `src` with its decoder Linears in `mix` to `dst`; returns `dst`."""
+def requantize_gguf(src: Path, dst: Path, mix: str = "Q4_K_M", embedding: str | None = None) -> Path:
+    """Write `src` with its decoder Linears in `mix` to `dst`, and its token embedding in block format `embedding`
+    (None: as it is; llama-quantize's --token-embedding-type); returns `dst`."""
     import gguf
 
     if mix not in MIXES:
@@ -61,7 +62,7 @@ def requantize_gguf(src: Path, dst: Path, mix: str = "Q4_K_M") -> Path:
     writer.add_file_type(MIXES[mix][1])
     for tensor in parsed.tensors:
         columns = int(tensor.shape[0])
-        kind = mix_format(tensor.name, columns, n_layers, mix)
+        kind = embedding if tensor.name == "token_embd.weight" else mix_format(tensor.name, columns, n_layers, mix)
         if kind is None:
             raw = None if tensor.tensor_type.name in ("F32", "F16") else tensor.tensor_type
             writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=raw)

@@ -91,7 +91,7 @@ def self_draft(
             new = Int4GroupLinear(float_linear(layer), Q4_1_GROUP, codes=imported[name]() if name in imported else None)
         draft.set_submodule(name, new)
     if not (isinstance(head, Int8Linear) and whole):  # else the target's int8 head itself
-        draft.output = Int8Linear(first_rows(float_linear(head), rows))
+        draft.output = Int8Linear(first_rows(float_linear(head), rows), logit_head=True)
         if whole and head.weight is getattr(target.tok_embeddings, "weight", None):
             draft.tok_embeddings = Int8Embedding(draft.output)  # else the target's own embedding, shared
     return draft.eval()

@@ -44,12 +44,16 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
 // Rows per block of int4 tiles in this build (its widest vector's lanes): how quant/int4.py lays them out
 int64_t int4_tile_rows() { return inferlab::Int4Format::L::N; }
 
+// Rows per block of bf16 weights laid out for this build (gemv.h: Bf16Blocks), 0 where it takes them as rows
+int64_t bf16_block_rows() { return inferlab::kBf16BlockRows; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(INFERLAB_OPS, m) {
   m.def("gemv(Tensor x, Tensor weight, Tensor? scales, Tensor? bias, Tensor? norm_weight, float eps, Tensor? mins, "
         "bool gated, bool int8_activations=False, int bf16_from_rows=0) -> Tensor");
   m.def("int4_tile_rows() -> int", &int4_tile_rows);
+  m.def("bf16_block_rows() -> int", &bf16_block_rows);
 }
 
 TORCH_LIBRARY_IMPL(INFERLAB_OPS, CPU, m) {

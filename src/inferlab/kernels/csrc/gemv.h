@@ -217,7 +217,117 @@ struct Bf16DotStep {
   }
 };
 using Bf16Weights = DenseFormat<Bf16DotStep>;
+
+// bf16 weights laid out at load in blocks of 16 rows (kernels/gemv.py: pack_bf16), per pair of columns one 64-byte
+// vector: (N / 16, K / 2, 16) pairs, row n's columns (2p, 2p + 1) at [n / 16, p, n % 16]. One VDPBF16PS then takes
+// one such vector times one activation pair broadcast from memory and updates 16 outputs' fp32 sums, a lane each:
+// no horizontal sum per output (Bf16DotStep's ~10 instructions an output, a quarter of the work at K = 960), and
+// each broadcast feeds kBlocks blocks. Each output is one chain of dots over the pairs in column order, whatever the
+// call's rows (batch invariance: a 1-row decode and a prompt chunk get the same sums); only its place in memory
+// between passes changes. A decode row keeps kDecodeBlocks blocks in flight as independent chains (a dot waits ~5
+// cycles on the one before it in its chain), each a stream of lines prefetched into L2; many rows go over kBlocks
+// blocks kPairs pairs at a time (their 64 KiB stay in L2 while every chunk of kChunk activation rows meets them),
+// their sums kept between passes in a buffer of the thread's.
+// The amx build keeps row-major weights: its A tiles read 16 rows of 32 columns (amx.h: Bf16Tiles).
+struct Bf16Blocks {
+  static constexpr int64_t kRows = 16;  // weight rows per block: an fp32 lane each
+  static constexpr int kBlocks = 4;     // blocks per pass (4 weight vectors + kChunk x 4 sums of 32 registers)
+  static constexpr int kDecodeBlocks = 8;  // ... of one activation row
+  static constexpr int kChunk = 6;      // activation rows per pass
+  static constexpr int64_t kPairs = 256;  // pairs per pass: kBlocks blocks' 64 KiB
+  const uint32_t* w;  // (N / kRows, K / 2, kRows) pairs of bf16
+  int64_t N, K, pairs;
+  std::vector<uint32_t> x;  // (M, K / 2): each activation row's pairs rounded to bf16 (to nearest even), as Bf16DotStep's
+
+  Bf16Blocks(const at::BFloat16* weights, int64_t N_, int64_t K_, const float* xf, int64_t M)
+      : w(reinterpret_cast<const uint32_t*>(weights)), N(N_), K(K_), pairs(K_ / 2), x(M * (K_ / 2)) {
+    for_each_row(M, [&](int64_t m) { Bf16DotStep::prepare(xf + m * K, K, reinterpret_cast<at::BFloat16*>(x.data() + m * pairs)); });
+  }
+
+  // sums[b * MR + m] (+)= block b0 + b's rows . activation row m0 + m over pairs [p0, p1): `start` begins the sums
+  template <int B, int MR>
+  void pass(int64_t b0, int64_t m0, int64_t p0, int64_t p1, __m512* sums, bool start, bool from_memory) const {
+    __m512 acc[B * MR];  // in registers through the pass (through the pointer, each update would go to memory)
+    for (int i = 0; i < B * MR; ++i) acc[i] = start ? _mm512_setzero_ps() : sums[i];
+    const uint32_t* blocks = w + (b0 * pairs + p0) * kRows;
+    const uint32_t* xs = x.data() + m0 * pairs + p0;
+    for (int64_t p = 0; p < p1 - p0; ++p) {
+      __m512i wv[B];
+      for (int b = 0; b < B; ++b) {
+        const uint32_t* line = blocks + (b * pairs + p) * kRows;
+        if (from_memory) prefetch_l2(line);
+        wv[b] = _mm512_loadu_si512(line);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh pair = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(xs[m * pairs + p])));
+        for (int b = 0; b < B; ++b) acc[b * MR + m] = _mm512_dpbf16_ps(acc[b * MR + m], reinterpret_cast<__m512bh>(wv[b]), pair);
+      }
+    }
+    for (int i = 0; i < B * MR; ++i) sums[i] = acc[i];
+  }
+
+  // pass<B, MR> for b <= B blocks and mr <= MR rows, chosen at run time
+  template <int B, int MR>
+  void pass_of(int b, int mr, int64_t b0, int64_t m0, int64_t p0, int64_t p1, __m512* sums, bool start,
+               bool from_memory) const {
+    if constexpr (MR > 1) {
+      if (mr < MR) return pass_of<B, MR - 1>(b, mr, b0, m0, p0, p1, sums, start, from_memory);
+    }
+    if constexpr (B > 1) {
+      if (b < B) return pass_of<B - 1, MR>(b, mr, b0, m0, p0, p1, sums, start, from_memory);
+    }
+    pass<B, MR>(b0, m0, p0, p1, sums, start, from_memory);
+  }
+
+  // y (M, N) = x @ W.T * scales + bias, blocks split across torch's threads
+  template <typename Y>
+  void operator()(int64_t M, const float* scales, const float* bias, Y* y) const {
+    // activation rows in chunks of near-equal size, as rows() makes them (which chunk a row is in does not change
+    // its sums)
+    const int64_t chunks = (M + kChunk - 1) / kChunk, group = M == 1 ? kDecodeBlocks : kBlocks;
+    at::parallel_for(0, N / kRows, std::max<int64_t>(1, kGrain / kRows), [&](int64_t begin, int64_t end) {
+      std::vector<__m512> sums(M * group);  // per chunk of rows: its b * rows sums at [m0 * group]
+      for (int64_t b0 = begin; b0 < end; b0 += group) {
+        const int b = static_cast<int>(std::min(group, end - b0));
+        for (int64_t p0 = 0; p0 < pairs; p0 += kPairs) {
+          const int64_t p1 = std::min(pairs, p0 + kPairs);
+          for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+            const int mr = static_cast<int>(M / chunks + (c < M % chunks));
+            if (M == 1) {
+              pass_of<kDecodeBlocks, 1>(b, mr, b0, m0, p0, p1, sums.data(), p0 == 0, true);
+            } else {
+              pass_of<kBlocks, kChunk>(b, mr, b0, m0, p0, p1, sums.data() + m0 * group, p0 == 0, c == 0);
+            }
+            m0 += mr;
+          }
+        }
+        for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+          const int mr = static_cast<int>(M / chunks + (c < M % chunks));
+          for (int i = 0; i < b; ++i) {
+            for (int m = 0; m < mr; ++m) {
+              alignas(64) float lanes[kRows];
+              _mm512_store_ps(lanes, sums[m0 * group + i * mr + m]);
+              const int64_t n = (b0 + i) * kRows;
+              for (int64_t r = 0; r < kRows; ++r) {
+                y[(m0 + m) * N + n + r] =
+                    static_cast<Y>(lanes[r] * (scales ? scales[n + r] : 1.0f) + (bias ? bias[n + r] : 0.0f));
+              }
+            }
+          }
+          m0 += mr;
+        }
+      }
+    });
+  }
+};
+#endif
+// Rows per block of bf16 weights laid out for this build (Bf16Blocks; kernels/gemv.py: pack_bf16), 0: kept as rows
+#if defined(INFERLAB_AVX512) && !defined(INFERLAB_AMX)
+constexpr int64_t kBf16BlockRows = Bf16Blocks::kRows;
 #else
+constexpr int64_t kBf16BlockRows = 0;
+#endif
+#ifndef INFERLAB_AVX512
 // bf16 weights widened to fp32 and fused-multiply-added with the fp32 activations, 2 * kLanes weights a
 // step (the avx2 build, which has no bf16 dots; the AVX-512 builds take Bf16DotStep): bf16 is the high half of an
 // fp32, so a 32-bit lane holding weights 2i and 2i+1 gives weight 2i shifted up and weight 2i+1 masked, and each
@@ -984,11 +1094,16 @@ struct Projection {
     const bool int4_rows = w.scalar_type() == at::kByte && w.dim() == 2;
     int64_t groups = 0;  // int4: per row
     const bool lined_tiles = is_tiles(w) && w.dim() == 4 && !scales_ && !mins_;
-    TORCH_CHECK((lined_tiles || w.dim() == (is_tiles(w) || is_blocks(w) ? 3 : 2)) && w.is_contiguous(),
+    TORCH_CHECK((lined_tiles || w.dim() == (is_tiles(w) || is_blocks(w) || is_bf16_blocks(w) ? 3 : 2)) && w.is_contiguous(),
                 "gemv: weight must be a contiguous (N, K) matrix, int4 tiles (N / lanes, K / 8 + G, lanes), Q6_K, Q5_0 "
-                "or Q8_0 tiles (N / lanes, K / columns a super-block, lines a super-block, lanes) or GGUF blocks (N, "
-                "blocks, bytes per block)");
-    if (is_blocks(w)) {
+                "or Q8_0 tiles (N / lanes, K / columns a super-block, lines a super-block, lanes), GGUF blocks (N, "
+                "blocks, bytes per block) or bf16 blocks (N / 16, K / 2, 32)");
+    if (is_bf16_blocks(w)) {
+      TORCH_CHECK(kBf16BlockRows > 0 && w.size(2) == 2 * kBf16BlockRows,
+                  "gemv: this build takes bf16 weights as (N, K) rows, not blocks");
+      N = w.size(0) * kBf16BlockRows;
+      K = w.size(1) * 2;
+    } else if (is_blocks(w)) {
       block_bytes = w.size(2);
       const int64_t per_block = block_weights(block_bytes);
       TORCH_CHECK(per_block > 0, "gemv: no GGUF block format is ", block_bytes, " bytes long");
@@ -1092,6 +1207,12 @@ struct Projection {
         run_rows(DenseFormat<Fp32Step>(weight.data_ptr<float>(), K, x, M), M, scales.data(), bias.data(), y, N, row_bytes);
         break;
       case at::kBFloat16:
+#ifdef INFERLAB_AVX512
+        if (is_bf16_blocks(weight)) {
+          Bf16Blocks(weight.data_ptr<at::BFloat16>(), N, K, x, M)(M, scales.data(), bias.data(), y);
+          break;
+        }
+#endif
 #ifdef INFERLAB_AMX
         if (Bf16Tiles::covers(N, K)) {
           Bf16Tiles(weight.data_ptr<at::BFloat16>(), N, K, x, M)(scales.data(), bias.data(), y);
@@ -1138,6 +1259,7 @@ struct Projection {
   }
   static bool is_tiles(const at::Tensor& w) { return w.scalar_type() == at::kInt; }
   static bool is_blocks(const at::Tensor& w) { return w.scalar_type() == at::kByte && w.dim() == 3; }
+  static bool is_bf16_blocks(const at::Tensor& w) { return w.scalar_type() == at::kBFloat16 && w.dim() == 3; }
   static Floats optional_floats(const std::optional<at::Tensor>& t) {
     return t && t->numel() ? Floats(t->contiguous(), false) : Floats();
   }
