@@ -218,7 +218,7 @@ def test_tiles_are_laid_out_again_for_another_build(isa, kind, one_thread):
             use_isa(isa)
 
 
-def tiny_llama(hidden: int) -> LlamaForCausalLM:
+def tiny_llama(hidden: int, tied: bool = True) -> LlamaForCausalLM:
     vocab = byte_level_backend().get_vocab_size(with_added_tokens=True)
     config = LlamaConfig(
         vocab_size=vocab,
@@ -228,7 +228,7 @@ def tiny_llama(hidden: int) -> LlamaForCausalLM:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()

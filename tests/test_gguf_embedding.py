@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import byte_level_backend
 from gguf_writer import byte_level_vocab, write_gguf
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_gguf_blocks import tiny_llama
 
 from inferlab.api import load_engine
 from inferlab.model.gguf_blocks import ROW_LAYOUTS
@@ -17,25 +17,10 @@ from inferlab.quant.gguf_embedding import GGUFEmbedding
 from inferlab.quant.requantize_gguf import requantize_gguf
 
 
-def untied_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=byte_level_backend().get_vocab_size(with_added_tokens=True),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
-
-
 @pytest.fixture(scope="module")
 def fp32_file(tmp_path_factory):
     folder = tmp_path_factory.mktemp("untied")
-    return write_gguf(untied_llama(), folder / "f32.gguf", byte_level_vocab(byte_level_backend()))
+    return write_gguf(tiny_llama(256, tied=False), folder / "f32.gguf", byte_level_vocab(byte_level_backend()))
 
 
 @pytest.mark.parametrize(
