@@ -20,8 +20,9 @@ from inferlab.kernels.build import cpu_gemv_available, int4_tile_rows, kernel_op
 from inferlab.kernels.isa import supported_isas
 from inferlab.model.gguf_blocks import BLOCK_LAYOUTS, dequantize_blocks
 from inferlab.model.transformer import RMSNorm
+from inferlab.quant import gguf_tiles
 from inferlab.quant.gguf_linear import TILED, GGUFBlockLinear
-from inferlab.quant.gguf_tiles import q4_k_blocks, q4_k_tiles
+from inferlab.quant.gguf_tiles import in_row_chunks, q4_k_blocks, q4_k_tiles
 from inferlab.quant.kquants import quantize_blocks
 from inferlab.quant.requantize_gguf import LINEAR, requantize_gguf
 
@@ -129,6 +130,17 @@ def test_lined_tiles_hold_the_blocks_and_multiply_as_they_do(isa, kind, one_thre
     tiled = tiles(blocks, int4_tile_rows())
     assert tiled.dtype == torch.int32 and torch.equal(blocks_again(tiled), blocks)
     assert_products_equal_the_reference(tiled, gguf_values(blocks, kind).double(), f"{kind} tiles")
+
+
+@pytest.mark.parametrize("kind", list(TILED))
+def test_tiles_made_in_row_chunks_are_a_whole_layers(kind, monkeypatch):
+    """A layer made into tiles a chunk of rows at a time (as loading does, for its peak) gets the tiles the whole
+    layer at once gets, the last chunk a short one."""
+    monkeypatch.setattr(gguf_tiles, "CHUNK_ROWS", 32)
+    blocks = random_blocks(kind, 80, 512 // BLOCK_LAYOUTS[kind][0], seed=5)  # chunks of 32, 32 and 16 rows
+    make = TILED[kind][0]
+    for rows in (8, 16):  # either build's tile rows
+        assert torch.equal(in_row_chunks(make, blocks, rows), make(blocks, rows))
 
 
 # Per lined format: its code bytes in a block, the bytes of its largest and of its smallest (most negative) codes

@@ -25,7 +25,7 @@ from inferlab.model.config import ModelConfig
 from inferlab.model.gguf_loader import release_gguf
 from inferlab.model.loader import load_model
 from inferlab.model.native_format import native_precision
-from inferlab.native_memory import return_freed_memory
+from inferlab.native_memory import large_frees_returned, return_freed_memory
 from inferlab.paths import conf_dir
 from inferlab.quant import quantize_model
 
@@ -148,20 +148,28 @@ def _build_engine(cfg: DictConfig) -> InferenceEngine:
     # a GGUF's Linears that will be quantized are read layer by layer as they are (int4 at Q4_1's group size
     # imports the file's blocks as they are): the float model never exists whole
     defer = bool(cfg.precision.quant)
-    loaded = load_model(model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0, defer_linears=defer)
-    if cfg.precision.quant:
-        quantize_model(
-            loaded.model, cfg.precision.quant, cfg.precision.get("group_size"), loaded.gguf_path, loaded.stand_ins
+    with large_frees_returned():  # each layer's temporaries gone with it, not kept resident (load peak)
+        loaded = load_model(model_spec, dtype, device, cfg.cache.max_seq_len, seed=cfg.seed or 0, defer_linears=defer)
+        if cfg.precision.quant:
+            quantize_model(
+                loaded.model, cfg.precision.quant, cfg.precision.get("group_size"), loaded.gguf_path, loaded.stand_ins
+            )
+        # the drafts before the kernels: a self draft is built from the target's own layers, and kernels and
+        # huge pages are then chosen for both at once, so the tensors they share stay shared
+        speculation = build_speculation(
+            OmegaConf.to_container(cfg.spec, resolve=True),
+            cfg.model.name,
+            loaded.model,
+            dtype,
+            device,
+            loaded.gguf_path,
         )
-    # the drafts before the kernels: a self draft is built from the target's own layers, and kernels and
-    # huge pages are then chosen for both at once, so the tensors they share stay shared
-    speculation = build_speculation(
-        OmegaConf.to_container(cfg.spec, resolve=True), cfg.model.name, loaded.model, dtype, device, loaded.gguf_path
-    )
-    drafts = speculation.drafter.models() if speculation else []
-    release_gguf()  # before the kernels' copies (huge pages, dense copies), so those never coexist with it
-    return_freed_memory()  # what loading freed (the GGUF's metadata, the float weights quantized away), likewise
-    select_kernels(nn.ModuleList([loaded.model, *drafts]), device, dtype, cfg.device.kernels, cfg.device.dense_copy_mb)
+        drafts = speculation.drafter.models() if speculation else []
+        release_gguf()  # before the kernels' copies (huge pages, dense copies), so those never coexist with it
+        return_freed_memory()  # what loading freed (the GGUF's metadata, the float weights quantized away), likewise
+        select_kernels(
+            nn.ModuleList([loaded.model, *drafts]), device, dtype, cfg.device.kernels, cfg.device.dense_copy_mb
+        )
     defaults = SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter: allocations of at least this many bytes get a mapping of their own
+LOADING_MMAP_THRESHOLD = 1 << 20
+SERVING_MMAP_THRESHOLD = 32 << 20  # the most glibc's own sliding threshold rises to (64-bit)
 
 
 def return_freed_memory() -> None:
@@ -13,3 +19,21 @@ def return_freed_memory() -> None:
     libc = ctypes.CDLL(None)
     if hasattr(libc, "malloc_trim"):  # glibc
         libc.malloc_trim(0)
+
+
+@contextmanager
+def large_frees_returned() -> Iterator[None]:
+    """While in the block: every allocation of 1 MiB or more is a mapping of its own (glibc), which free() unmaps at
+    once. Loading reads and rearranges one layer after another, each through temporaries of tens of MiB; glibc's
+    sliding threshold rises to the largest freed one and keeps later ones of that size in its heaps, whose freed
+    pages stay resident until trimmed, so the temporaries of several layers would add up in the load's peak. After
+    the block, a fixed threshold at that sliding one's ceiling (elsewhere than glibc: nothing)."""
+    libc = ctypes.CDLL(None)
+    glibc = hasattr(libc, "mallopt")
+    if glibc:
+        libc.mallopt(M_MMAP_THRESHOLD, LOADING_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        if glibc:
+            libc.mallopt(M_MMAP_THRESHOLD, SERVING_MMAP_THRESHOLD)

@@ -28,6 +28,7 @@ from inferlab.model.gguf_loader import evict, linear_sources, open_gguf, unpermu
 from inferlab.model.transformer import RMSNorm
 from inferlab.quant.gguf_tiles import (
     PAIR,
+    in_row_chunks,
     q4_k_blocks,
     q4_k_tiles,
     q5_0_blocks,
@@ -86,7 +87,8 @@ class GGUFBlockLinear(nn.Module):
         blocks as they are."""
         layout = int4_layout(blocks.device, self.dtype, blocks.shape[0], self.in_features) if self.use_kernel else ""
         tiled = kind in TILED and layout == "tiles" and blocks.shape[1] % TILED[kind][3] == 0
-        self.register_buffer(f"blocks_{i}", TILED[kind][0](blocks, int4_tile_rows()) if tiled else blocks)
+        held = in_row_chunks(TILED[kind][0], blocks, int4_tile_rows()) if tiled else blocks
+        self.register_buffer(f"blocks_{i}", held)
 
     def _held(self) -> list[tuple[str, Tensor]]:  # each part's kind and what holds it: blocks, or int32 tiles
         return [(kind, getattr(self, f"blocks_{i}")) for i, kind in enumerate(self.kinds)]

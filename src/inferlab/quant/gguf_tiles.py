@@ -23,6 +23,8 @@ its int8 codes (_q8_0_order). q5_0_blocks and q8_0_blocks give back the file's b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -43,6 +45,24 @@ PAIR = 2  # Q5_0, Q8_0: blocks a super-block of their tiles (one line holds both
 # Q5_0: the fifth bit of column i of chunk j at bit j + 4 i of its line (8 j + i at j + 4 i: a 4 x 8 transpose of the
 # block's word), where the kernel's fifth_bit_pairs puts those of columns s and s + 4 above their nibbles with one
 # shift for s = 0, 1 and one for s = 2, 3
+
+
+# Rows made into tiles at a time (in_row_chunks): a whole layer at once takes temporaries of several times its codes
+# as bytes (SmolLM2-1.7B's Q6_K gate|up: ~100 MiB beyond its 28 MiB of tiles), which set the load's peak
+CHUNK_ROWS = 1024
+
+
+def in_row_chunks(make: Callable[[Tensor, int], Tensor], blocks: Tensor, rows: int) -> Tensor:
+    """make(blocks, rows) (one of the *_tiles below) CHUNK_ROWS rows at a time, into one tensor: the same tiles
+    (a block of `rows` rows is made from those rows alone), with temporaries of one chunk's size."""
+    if blocks.shape[0] <= CHUNK_ROWS:
+        return make(blocks, rows)
+    first = make(blocks[:CHUNK_ROWS], rows)
+    tiles = first.new_empty((blocks.shape[0] // rows, *first.shape[1:]))
+    tiles[: len(first)] = first
+    for n in range(CHUNK_ROWS, blocks.shape[0], CHUNK_ROWS):
+        tiles[n // rows : (n + CHUNK_ROWS) // rows] = make(blocks[n : n + CHUNK_ROWS], rows)
+    return tiles
 
 
 def q4_k_tiles(blocks: Tensor, rows: int) -> Tensor:
