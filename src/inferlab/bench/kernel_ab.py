@@ -29,6 +29,7 @@ from torch import Tensor
 from inferlab.kernels.build import CSRC, GEMV_SOURCE, active_isa, compile_kernels, kernel_ops, kernels_build_dir
 from inferlab.kernels.gemv import pack_bf16
 from inferlab.kernels.isa import Isa
+from inferlab.quant.gguf_tiles import q4_k_tiles, q5_0_tiles, q6_k_tiles, q8_0_tiles
 from inferlab.quant.int4 import pack_nibbles, quantize_groups_int4, tile_parts, tile_rows
 from inferlab.quant.kquants import quantize_blocks
 
@@ -41,9 +42,11 @@ MODEL_SHAPES = {
 # int4_x8: int4 weights, int8 activation codes (a draft's); int4_bf16: int4 weights multiplied in bf16 on the amx build
 # (the fused step's from its dense_from_rows: csrc/amx.h's Int4DequantTiles)
 # q4_k, q6_k: GGUF blocks as a K-quant file keeps them (csrc/ggml_blocks.h), the 32-weight format of about as many bits
-# where K is not a multiple of 256 (Q5_0, Q8_0), as in SmolLM2-135M's Q4_K_M
-FORMATS = ("fp32", "bf16", "int8", "int4", "int4_x8", "int4_bf16", "q4_k", "q6_k")
+# where K is not a multiple of 256 (Q5_0, Q8_0), as in SmolLM2-135M's Q4_K_M; q4_k_tiles, q6_k_tiles: the same blocks
+# as the int4 kernel's tiles, which is how a K-quant file is served (quant/gguf_tiles.py)
+FORMATS = ("fp32", "bf16", "int8", "int4", "int4_x8", "int4_bf16", "q4_k", "q6_k", "q4_k_tiles", "q6_k_tiles")
 GGUF_FORMATS = {"q4_k": ("Q4_K", "Q5_0"), "q6_k": ("Q6_K", "Q8_0")}
+GGUF_TILES = {"Q4_K": q4_k_tiles, "Q6_K": q6_k_tiles, "Q5_0": q5_0_tiles, "Q8_0": q8_0_tiles}
 Weights = tuple[Tensor, Tensor | None, Tensor | None]  # weight, scales, mins as the gemv op takes them
 
 
@@ -81,9 +84,11 @@ def random_weights(weight_format: str, n: int, k: int, tile_rows_: int) -> Weigh
         tiles = tile_rows(pack_nibbles(codes), scales, mins, tile_rows_)
         _, tile_scales, tile_mins = tile_parts(tiles, scales.shape[1])
         return tiles, tile_scales, tile_mins
-    if weight_format in GGUF_FORMATS:
-        kquant, fallback = GGUF_FORMATS[weight_format]
-        return quantize_blocks(torch.randn(n, k), kquant if k % 256 == 0 else fallback), None, None
+    if weight_format.removesuffix("_tiles") in GGUF_FORMATS:
+        kquant, fallback = GGUF_FORMATS[weight_format.removesuffix("_tiles")]
+        kind = kquant if k % 256 == 0 else fallback
+        blocks = quantize_blocks(torch.randn(n, k), kind)
+        return (GGUF_TILES[kind](blocks, tile_rows_) if weight_format.endswith("_tiles") else blocks), None, None
     if weight_format == "int8":
         return torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) / 100, None
     return torch.randn(n, k).to(torch.float32 if weight_format == "fp32" else torch.bfloat16), None, None
@@ -158,13 +163,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"this checkout: {CSRC}\nother: {args.other}\n")
-    print(f"{'format':6} {'rows':>5} {'GF/s here':>10} {'GF/s other':>10} {'other faster':>12}  same")
+    print(f"{'format':10} {'rows':>5} {'GF/s here':>10} {'GF/s other':>10} {'other faster':>12}  same")
     formats = [f for f in args.formats.split(",") if f]
     if unknown := sorted(set(formats) - set(FORMATS)):
         parser.error(f"--formats: {unknown} not among {list(FORMATS)}")
     rows = [int(r) for r in args.rows.split(",")]
     for c in compare(args.other, formats, rows, args.layers, args.rounds, model=args.model):
-        print(f"{c.format:6} {c.rows:5d} {c.gflops[0]:10.0f} {c.gflops[1]:10.0f} {c.ratio:11.2f}x  {c.same}")
+        print(f"{c.format:10} {c.rows:5d} {c.gflops[0]:10.0f} {c.gflops[1]:10.0f} {c.ratio:11.2f}x  {c.same}")
 
 
 if __name__ == "__main__":
