@@ -1,5 +1,5 @@
 """int8 layers keep a dequantized copy for products of many rows: the same values as the reference; in bf16 only
-where the CPU multiplies bf16 itself. int4 layers keep one only where oneDNN's bf16 GEMM runs on AMX tiles (elsewhere
+where oneDNN's bf16 GEMM runs on AMX tiles. int4 layers keep one only where oneDNN's bf16 GEMM runs on AMX tiles (elsewhere
 their kernel runs every number of rows)."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from inferlab.quant.int8 import Int8Linear
 
 @pytest.fixture
 def native_bf16(monkeypatch):
-    """The CPU multiplies bf16 itself (pretended where it does not)."""
-    monkeypatch.setattr("inferlab.quant.int8.bf16_gemm_native", lambda: True)
+    """oneDNN's bf16 GEMM runs on AMX tiles (pretended where it does not)."""
+    monkeypatch.setattr("inferlab.quant.int8.amx_bf16_usable", lambda: True)
 
 
 def test_many_rows_through_the_dense_copy_equal_the_dequantize_reference(native_bf16):
@@ -60,8 +60,8 @@ def test_an_lm_head_keeps_no_copy(native_bf16, dtype):
     assert F.cosine_similarity(head(rows).float(), want, dim=-1).min() >= 0.999
 
 
-def test_int8_layers_keep_a_bf16_copy_only_where_the_cpu_multiplies_bf16(monkeypatch):
-    monkeypatch.setattr("inferlab.quant.int8.bf16_gemm_native", lambda: False)
+def test_int8_layers_keep_a_bf16_copy_only_on_amx(monkeypatch):
+    monkeypatch.setattr("inferlab.quant.int8.amx_bf16_usable", lambda: False)
     for dtype, kept in ((torch.bfloat16, False), (torch.float32, True)):
         model = tiny_model(0).to(dtype)
         quantize_model(model, "int8")

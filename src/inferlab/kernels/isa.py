@@ -99,13 +99,6 @@ def amx_bf16_usable() -> bool:
     return ctypes.CDLL(None, use_errno=True).syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
 
 
-def bf16_gemm_native() -> bool:
-    """The CPU multiplies bf16 itself (AVX-512 BF16's dot products, or AMX tiles), so that oneDNN's bf16 GEMM (F.linear
-    on bf16 tensors) runs at speed; elsewhere it converts its operands as it goes, and a bf16 copy's GEMM is several
-    times slower than the int8 kernel, and slower than an fp32 copy's."""
-    return "avx512_bf16" in cpu_flags() or amx_bf16_usable()
-
-
 def resolve_isa(requested: str) -> Isa | None:
     """`device.isa` -> the build to load: auto = the widest this CPU runs (None: not even AVX2, so no
     kernels); a named one the CPU lacks is an error, said in one line."""

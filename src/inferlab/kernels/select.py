@@ -35,7 +35,7 @@ def select_kernels(
     Layers already on the kernels (KernelLayer: the quantized ones of quant/) pick their kernels per call
     and are left alone, except that `kernels=portable` sends them down their reference path too. bf16 weights are
     laid out in blocks of rows where the build reads them so (gemv.packs_bf16), in place of their rows. With
-    `kernels=fast`, int8 layers (in bf16 where the CPU multiplies bf16) and int4 ones on AMX CPUs also keep a
+    `kernels=fast`, int8 layers (in bf16 only on AMX CPUs) and int4 ones on AMX CPUs also keep a
     dequantized copy for products of many rows when all the copies fit in `dense_copy_mb` (layer.DenseCopyLayer). On
     CPU the weights then move onto huge pages (huge_pages.py).
     """

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from inferlab.kernels.aten import int8_kernel_fits, int8_mm
 from inferlab.kernels.gemv import gemv, gemv_fits, int8_kernel_max_rows, prepared_input, quantized_max_rows
-from inferlab.kernels.isa import bf16_gemm_native
+from inferlab.kernels.isa import amx_bf16_usable
 from inferlab.kernels.layer import KernelWeights
 from inferlab.model.transformer import RMSNorm
 
@@ -62,13 +62,14 @@ class Int8Linear(nn.Module):
         return int8_kernel_max_rows()
 
     def dense_copy_pays(self, dtype: torch.dtype) -> bool:
-        """A bf16 copy only where the CPU multiplies bf16 itself (kernels/isa.py: bf16_gemm_native): elsewhere
-        oneDNN's bf16 GEMM converts its operands as it goes and is slower than the int8 kernel at every number of
-        rows. Never for an LM head: a step's logit rows are its sequences, a decode batch's few, and the fused step
+        """A bf16 copy only where oneDNN's bf16 GEMM runs on AMX tiles (kernels/isa.py: amx_bf16_usable): elsewhere
+        it is slower than the int8 kernel at every number of rows (without AVX-512 BF16 it converts its operands as
+        it goes: 5x slower on an AVX2-only EPYC; with it, on a Zen 4 EPYC, prompts of 128 and 512 tokens of
+        SmolLM2-360M Q8_0 took 1.3x and 1.1x the kernel's time, and the copies 600 MiB beside 346 of weights). Never for an LM head: a step's logit rows are its sequences, a decode batch's few, and the fused step
         never reads the copy (kernels/fused_decode.py), so it only held memory (1,002 MiB at Llama-3.1-8B's head)."""
         if self.logit_head:
             return False
-        return dtype != torch.bfloat16 or self.weight.device.type != "cpu" or bf16_gemm_native()
+        return dtype != torch.bfloat16 or self.weight.device.type != "cpu" or amx_bf16_usable()
 
     def keep_dense_copy(self, out: Tensor) -> int:
         """kernels/layer.py's DenseCopyLayer: the same values the reference path computes at each call, into `out`
