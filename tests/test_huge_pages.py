@@ -82,3 +82,20 @@ def test_a_view_stays_where_it_is():
     if move_weights_to_huge_pages(module, min_bytes=1) == 0:
         pytest.skip("this system refuses MADV_HUGEPAGE")
     assert module.view.data_ptr() == view and module.whole.data_ptr() % HUGE_PAGE == 0
+
+
+def test_a_weight_moves_in_parts_and_an_alias_of_it_keeps_its_values(monkeypatch):
+    """A weight is copied a part at a time, each part's original pages released as it goes (the largest weight then
+    never exists twice); a storage that another tensor shares is copied whole and left as it was, so the alias still
+    reads its values, not released pages."""
+    monkeypatch.setattr("inferlab.kernels.huge_pages.RELEASE_BYTES", 3 * 4096 + 64)  # parts across page boundaries
+    module = nn.Module()
+    module.sole = nn.Parameter(torch.randn(HUGE_PAGE // 4 + 7), requires_grad=False)
+    module.shared = nn.Parameter(torch.randn(HUGE_PAGE // 4 + 7), requires_grad=False)
+    alias = module.shared.detach()  # another tensor on the same storage
+    want = {name: p.clone() for name, p in module.named_parameters()}
+    if move_weights_to_huge_pages(module) == 0:
+        pytest.skip("this system refuses MADV_HUGEPAGE")
+    for name, p in module.named_parameters():
+        assert torch.equal(p, want[name]), name
+    assert torch.equal(alias, want["shared"]) and alias.data_ptr() != module.shared.data_ptr()
