@@ -57,7 +57,8 @@ def chart(frame: pd.DataFrame, spec: dict[str, Any], title: str, path: Path) -> 
         ax.grid(True, axis="x" if spec.get("kind") == "barh" else "y", alpha=0.3)
     fig.suptitle(title, fontsize=11)
     fig.text(0.5, 0.01, caption(frame), ha="center", va="bottom", fontsize=7, color="0.35")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    # the suptitle's line kept clear of the top row's titles (tight_layout leaves it out on tall figures)
+    fig.tight_layout(rect=(0, 0.04, 1, 1 - 0.2 / fig.get_figheight()))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -174,7 +175,10 @@ def _bars(ax: Any, rows: pd.DataFrame, spec: dict[str, Any], panel: dict[str, An
     positions = range(len(table.index))
     for i, column in enumerate(table.columns):
         ax.bar([p - 0.4 + width * (i + 0.5) for p in positions], table[column].to_numpy(), width, label=str(column))
-    ax.set_xticks(list(positions), [_label(v, spec) for v in table.index])
+    labels = [_label(v, spec) for v in table.index]
+    # long labels (model names) at the default size run into each other under four or more groups
+    small = len(labels) >= 4 and max(map(len, labels)) > 10
+    ax.set_xticks(list(positions), labels, fontsize=8 if small else None)
     if not panel.get("logy") and table.shape[1] > 1:
         # room for the legend above the bars: a line for each series and one for its title
         ax.set_ylim(top=float(table.max().max()) * (1.2 + 0.1 * (table.shape[1] + 1)))
