@@ -1,6 +1,5 @@
 """int8 layers keep a dequantized copy for products of many rows: the same values as the reference; in bf16 only
-where oneDNN's bf16 GEMM runs on AMX tiles. int4 layers keep one only where oneDNN's bf16 GEMM runs on AMX tiles (elsewhere
-their kernel runs every number of rows)."""
+where oneDNN's bf16 GEMM runs on AMX tiles, as int4 layers do (elsewhere their kernel runs every number of rows)."""
 
 from __future__ import annotations
 

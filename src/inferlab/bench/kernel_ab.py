@@ -84,8 +84,8 @@ def random_weights(weight_format: str, n: int, k: int, tile_rows_: int) -> Weigh
         tiles = tile_rows(pack_nibbles(codes), scales, mins, tile_rows_)
         _, tile_scales, tile_mins = tile_parts(tiles, scales.shape[1])
         return tiles, tile_scales, tile_mins
-    if weight_format.removesuffix("_tiles") in GGUF_FORMATS:
-        kquant, fallback = GGUF_FORMATS[weight_format.removesuffix("_tiles")]
+    if (blocks_format := weight_format.removesuffix("_tiles")) in GGUF_FORMATS:
+        kquant, fallback = GGUF_FORMATS[blocks_format]
         kind = kquant if k % 256 == 0 else fallback
         blocks = quantize_blocks(torch.randn(n, k), kind)
         return (GGUF_TILES[kind](blocks, tile_rows_) if weight_format.endswith("_tiles") else blocks), None, None

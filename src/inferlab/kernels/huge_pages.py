@@ -24,7 +24,7 @@ import sys
 import torch
 from torch import Tensor, nn
 
-from inferlab.native_memory import return_freed_memory
+from inferlab.native_memory import libc, return_freed_memory
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 def _advise_huge_pages(address: int, length: int) -> bool:
     if not sys.platform.startswith("linux"):
         return False
-    return _libc().madvise(address, length, MADV_HUGEPAGE) == 0
+    return libc().madvise(address, length, MADV_HUGEPAGE) == 0
 
 
 def _advised_arena(nbytes: int) -> Tensor | None:
@@ -103,22 +103,16 @@ def _copy_releasing(copy: Tensor, tensor: Tensor) -> None:
     501 MiB) no longer exists twice at the move's peak. Those pages then read as zeros: the caller points `tensor` at
     the copy next. A storage with views elsewhere is copied whole and left as it is."""
     # two references to the storage: the tensor's, and the one untyped_storage() hands out for the question
-    sole = torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2
+    release = sys.platform.startswith("linux") and torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2
     source, target = tensor.reshape(-1).view(torch.uint8), copy.reshape(-1).view(torch.uint8)
     for start in range(0, source.numel(), RELEASE_BYTES):
         part = slice(start, start + RELEASE_BYTES)
         target[part].copy_(source[part])
-        if sole and sys.platform.startswith("linux"):
+        if release:
             first = -(-(source.data_ptr() + start) // mmap.PAGESIZE) * mmap.PAGESIZE
             end = (source.data_ptr() + min(start + RELEASE_BYTES, source.numel())) // mmap.PAGESIZE * mmap.PAGESIZE
             if end > first:
-                _libc().madvise(first, end - first, MADV_DONTNEED)
-
-
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
+                libc().madvise(first, end - first, MADV_DONTNEED)
 
 
 def move_weights_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:

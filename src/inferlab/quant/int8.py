@@ -64,8 +64,8 @@ class Int8Linear(nn.Module):
     def dense_copy_pays(self, dtype: torch.dtype) -> bool:
         """A bf16 copy only where oneDNN's bf16 GEMM runs on AMX tiles (kernels/isa.py: amx_bf16_usable): elsewhere
         it is slower than the int8 kernel at every number of rows (without AVX-512 BF16 it converts its operands as
-        it goes: 5x slower on an AVX2-only EPYC; with it, on a Zen 4 EPYC, prompts of 128 and 512 tokens of
-        SmolLM2-360M Q8_0 took 1.3x and 1.1x the kernel's time, and the copies 600 MiB beside 346 of weights). Never for an LM head: a step's logit rows are its sequences, a decode batch's few, and the fused step
+        it goes; with it but without AMX its pair dots do no more a cycle than the kernel's) and holds twice the
+        weights. Never for an LM head: a step's logit rows are its sequences, a decode batch's few, and the fused step
         never reads the copy (kernels/fused_decode.py), so it only held memory (1,002 MiB at Llama-3.1-8B's head)."""
         if self.logit_head:
             return False

@@ -790,7 +790,7 @@ struct Int4Format {
 
   // sum[m] = the tiled block's rows . activation row m0 + m; from_memory as DenseFormat::dot's; kInt8X: int8_x;
   // kTiles: a lined kind's tiles (kQ6K: blocks of 16 columns), kQ4K's (int16 codes: its scales made here, the
-  // super-block's fp16 d and -dmin converted once for its 8 blocks, not per block: 1.09x at 1 row), else kGroups
+  // super-block's fp16 d and -dmin converted once for its 8 blocks, not per block), else kGroups
   template <int M, bool kInt8X, Kind kTiles = Kind::kGroups>
   void dot(const Tile& rows, int64_t m0, L::V* sum, bool from_memory) const {
     constexpr bool kLined = is_lined(kTiles), kHighLine = kTiles == Kind::kQ6K || kTiles == Kind::kQ5_0;
