@@ -37,8 +37,11 @@ def test_unknown_group_value_is_a_clear_error():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"precision": "fp32", "+precision.activations": "int8"}, "precision.activations=int8 is for int4 weights"),
-        ({"model": "tiny-random", "precision.activations": "int8"}, r"int4 weights \(this model runs fp32\)"),  # auto
+        (
+            {"precision": "fp32", "+precision.activations": "int8"},
+            "precision.activations=int8 is for int4 weights and GGUF K-quants",
+        ),
+        ({"model": "tiny-random", "precision.activations": "int8"}, r"K-quants \(this model runs fp32\)"),  # auto
         ({"precision": "int4", "precision.activations": "int4"}, "precision.activations must be int16 or int8"),
     ],
 )

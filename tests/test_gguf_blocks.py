@@ -90,6 +90,21 @@ def assert_products_equal_the_reference(weight: torch.Tensor, w: torch.Tensor, l
         assert torch.equal(y[:1], single)  # a row's sum does not depend on the rows beside it
 
 
+def assert_int8_code_products_equal_the_reference(
+    weight: torch.Tensor, w: torch.Tensor, label: str, code_cols: int = 32
+) -> None:
+    """The kernel's products of tiles with int8 activation codes per `code_cols` columns (precision.activations=int8)
+    at 1 to 40 activation rows equal x @ w.T within half a code step per activation (the block's max|x| / 127) and
+    fp32 sums; a row's result does not depend on the rows beside it."""
+    x = torch.randn(40, w.shape[1], generator=torch.Generator().manual_seed(8))
+    single = gemv(x[:1], weight, int8_activations=True)
+    for m in (1, 3, 8, 40):
+        y, xm = gemv(x[:m], weight, int8_activations=True).double(), x[:m].double()
+        steps = xm.view(m, -1, code_cols).abs().amax(dim=2).repeat_interleave(code_cols, dim=1) / 127
+        assert ((y - xm @ w.T).abs() <= 0.5 * steps @ w.abs().T + 2e-6 * (xm.abs() @ w.abs().T)).all(), (label, m)
+        assert torch.equal(y[:1].float(), single)
+
+
 @needs_kernels
 @pytest.mark.parametrize("kind", FORMATS)
 def test_kernel_products_equal_the_dequantized_reference(isa, kind, one_thread):
@@ -108,11 +123,7 @@ def test_q4_k_tiles_hold_the_blocks_and_multiply_as_they_do(isa, one_thread):
     assert tiles.dtype == torch.int32 and torch.equal(q4_k_blocks(tiles), blocks)
     w = gguf_values(blocks, "Q4_K").double()
     assert_products_equal_the_reference(tiles, w, "Q4_K tiles")
-    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(8))
-    y, exact = gemv(x, tiles, int8_activations=True).double(), x.double() @ w.T
-    # int8 codes per block of 32: half a step of each block's max|x| / 127 per activation
-    steps = x.double().view(3, -1, 32).abs().amax(dim=2).repeat_interleave(32, dim=1) / 127
-    assert ((y - exact).abs() <= 0.5 * steps @ w.abs().T + 2e-6 * (x.double().abs() @ w.abs().T)).all()
+    assert_int8_code_products_equal_the_reference(tiles, w, "Q4_K tiles, int8 codes")
 
 
 LINED = ["Q6_K", "Q5_0", "Q8_0"]  # tiles whose code lines and factor lines are one stream (gemv.h: Int4Format::Lined)
@@ -129,7 +140,12 @@ def test_lined_tiles_hold_the_blocks_and_multiply_as_they_do(isa, kind, one_thre
     tiles, blocks_again = TILED[kind][:2]
     tiled = tiles(blocks, int4_tile_rows())
     assert tiled.dtype == torch.int32 and torch.equal(blocks_again(tiled), blocks)
-    assert_products_equal_the_reference(tiled, gguf_values(blocks, kind).double(), f"{kind} tiles")
+    w = gguf_values(blocks, kind).double()
+    assert_products_equal_the_reference(tiled, w, f"{kind} tiles")
+    if (
+        kind == "Q6_K"
+    ):  # int8 activation codes take its 6-bit codes, per super-block (gemv.h: Int4Format::int8_code_cols)
+        assert_int8_code_products_equal_the_reference(tiled, w, "Q6_K tiles, int8 codes", code_cols=256)
 
 
 @pytest.mark.parametrize("kind", list(TILED))
@@ -155,8 +171,9 @@ EXTREME_CODES = {
 @pytest.mark.parametrize("kind", LINED)
 def test_lined_tiles_at_the_bounds_of_their_integer_sums(isa, kind, one_thread):
     """Every code at its largest (or smallest: Q6_K's and Q5_0's 0 is their most negative weight, under Q6_K's scale
-    -128) against activations at their int16 bound, at the kernels' largest K: the dots (of 16-fold odd columns, for
-    nibbles) stay within int32 and the products equal the reference within one fp32 rounding per float update."""
+    -128) against activations at their int16 bound (Q6_K's also at int8 codes' -127), at the kernels' largest K: the
+    dots (of 16-fold odd columns, for nibbles) stay within int32 (AVX2's int16 quad sums too) and the products equal the
+    reference within one fp32 rounding per float update."""
     k = 32768  # gemv.h's kMaxK
     blocks = random_blocks(kind, 32, k // BLOCK_LAYOUTS[kind][0], seed=12)
     codes, largest, smallest = EXTREME_CODES[kind]
@@ -166,9 +183,13 @@ def test_lined_tiles_at_the_bounds_of_their_integer_sums(isa, kind, one_thread):
         blocks[..., 192:208] = 0x80  # sc = -128
     x = torch.full((1, k), -1.0)
     w = gguf_values(blocks, kind).double()
-    y, exact = gemv(x, TILED[kind][0](blocks, int4_tile_rows())).double(), x.double() @ w.T
+    tiled = TILED[kind][0](blocks, int4_tile_rows())
     updates = k // 16  # a float update per block (of 16 or 32 columns), each rounding once
-    assert ((y - exact).abs() <= updates * 2**-24 * (x.double().abs() @ w.abs().T)).all()  # the codes exact: x = -max
+    bound = updates * 2**-24 * (x.double().abs() @ w.abs().T)
+    for int8_codes in (False, True) if kind == "Q6_K" else (False,):  # int8: each block's sums in int32 on AVX2 too
+        for rows in (1, 5):  # a decode's 8 integer sums per block, many rows' 2
+            y = gemv(x.expand(rows, k), tiled, int8_activations=int8_codes).double()
+            assert ((y - x.double() @ w.T).abs() <= bound).all(), (int8_codes, rows)  # codes exact: x = -max
 
 
 @needs_kernels
@@ -259,8 +280,10 @@ def kquant_file(request, tmp_path_factory):
     return requantize_gguf(src, folder / f"{mix}.gguf", mix)
 
 
-def engine_on(path, kernels: str, isa: str = "auto", precision: str = "gguf"):
+def engine_on(path, kernels: str, isa: str = "auto", precision: str = "gguf", activations: str = "int16"):
     overrides = {"model.path": str(path), "device.kernels": kernels, "device.isa": isa, "cache.max_seq_len": 128}
+    if activations != "int16":
+        overrides["precision.activations"] = activations
     if precision == "gguf":
         overrides["precision.dtype"] = "float32"  # the fused step's fp32 activations on both sides
     return load_engine(model="local", precision=precision, cache="contiguous", device="cpu", **overrides)
@@ -304,6 +327,29 @@ def test_fused_step_matches_the_portable_path(kquant_file, isa, one_thread):
         fast.generate(prompt, max_new_tokens=8, temperature=0).token_ids
         == portable.generate(prompt, max_new_tokens=8, temperature=0).token_ids
     )
+    fast.close()
+    portable.close()
+
+
+@needs_kernels
+def test_int8_activation_codes_on_a_kquant_file(kquant_file, isa, one_thread):
+    """precision.activations=int8 on a K-quant file: the fused step's Q4_K and Q6_K products take int8 codes per block
+    (a prompt's rows and a decode's alike), the engine says so, and its logits stay near the portable path's."""
+    portable = engine_on(kquant_file, "portable")
+    fast = engine_on(kquant_file, "fast", isa, activations="int8")
+    assert "int8 activation codes" in fast.describe()
+    tokens = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        expected = portable.model(torch.tensor([tokens]), torch.arange(len(tokens)).unsqueeze(0))[0][7:]
+    logits, seq = fast.prefill(tokens[:8], reserve_tokens=8)
+    got = [logits.float()]
+    for token in tokens[8:-1]:
+        got.append(fast.decode_step(token, seq).float())
+    seq.release()
+    for e, g in zip(expected, got):
+        # int8 codes: half a step of 1/127 of a block's max|x| per activation (int16's: of 1/16383 of the row's), so
+        # far more than int16's error (the fused step's test above); the kernels' own tests bound each product
+        assert torch.nn.functional.cosine_similarity(e, g, dim=0) >= 0.995
     fast.close()
     portable.close()
 

@@ -243,12 +243,15 @@ def kv_dtype_of(cache: DictConfig) -> torch.dtype | None:
 
 
 def int8_activations_of(precision: DictConfig) -> bool:
-    """precision.activations (int4 weights only): int16 codes per row (False) or int8 codes per block of 32 (True)."""
+    """precision.activations (int4 weights, and a GGUF's K-quant blocks: precision=gguf): int16 codes per row (False)
+    or int8 codes per block of 32 (True)."""
     activations = precision.get("activations", "int16")
     if activations not in ("int16", "int8"):
         raise InvalidRequestError(f"precision.activations must be int16 or int8 (got {activations})")
-    if activations == "int8" and precision.quant != "int4":
-        raise InvalidRequestError(f"precision.activations=int8 is for int4 weights (this model runs {precision.name})")
+    if activations == "int8" and precision.quant not in ("int4", "gguf"):
+        raise InvalidRequestError(
+            f"precision.activations=int8 is for int4 weights and GGUF K-quants (this model runs {precision.name})"
+        )
     return activations == "int8"
 
 

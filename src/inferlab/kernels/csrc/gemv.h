@@ -500,6 +500,8 @@ void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* 
 // 2 instructions a pair of lanes on AVX-512, made once for every activation row), so the dots take whole 6-bit codes
 // at int4's 4 multiply-adds per chunk and row; the offset -32 is a min, -32 * d * sc per sub-block (exact), met with
 // the sub-block's sum of activation codes as Q4_K's mins are. 212 bytes a row per 256 columns where the blocks take 210.
+// At int8 codes (int8_x) a chunk's 6-bit codes are whole bytes (six_bit_bytes: the pairs brought above the nibbles,
+// uint8 up to 63 in vpdpbusd's quads), the two sub-blocks of a block of codes each with its own float update.
 // GGUF's 32-weight blocks Q5_0 (w = d * (q - 16), q 5 bits) and Q8_0 (w = d * q, q int8), where a K-quant file's rows
 // are not a multiple of 256, are tiles the same way, in super-blocks of 2 blocks (64 columns) whose last line holds
 // both blocks' fp16 d (kinds kQ5_0, kQ8_0; quant/gguf_tiles.py): as many bytes as the file's blocks. Q5_0: per block
@@ -514,12 +516,15 @@ struct Int4Format {
   static constexpr int64_t kBlock = 32;       // columns per float update; the group size is a multiple of it
   static constexpr int64_t kVectorBlocks = L::N / 4;  // blocks of one row a vector holds (16 bytes each)
   static constexpr int64_t kSlack = L::N * L::N;
+  static constexpr int64_t kQ6KSuperCols = 256;  // Q6_K's super-block: 16 sub-blocks of 16 columns
   // What a tile made before holds besides its codes: per group fp16 scales and mins (quant/int4.py), or a K-quant's
   // own lines (Q4_K: group 32; Q6_K: group 16, high bit pairs among the codes; Q5_0: fifth bits among them; Q8_0)
   enum class Kind { kGroups, kQ4K, kQ6K, kQ5_0, kQ8_0 };
-  // int8 activation codes per block (int8_x) take nibbles alone: not Q6_K's (its sub-blocks of 16 would straddle
-  // their blocks of 32), Q5_0's or Q8_0's
-  static constexpr bool takes_int8_codes(Kind kind) { return kind == Kind::kGroups || kind == Kind::kQ4K; }
+  // int8 activation codes per block (int8_x) take unsigned codes of at most 6 bits (uint8 times int8 quads): nibbles
+  // and Q6_K's (its two sub-blocks of 16 a block of codes), not Q5_0's or Q8_0's
+  static constexpr bool takes_int8_codes(Kind kind) {
+    return kind == Kind::kGroups || kind == Kind::kQ4K || kind == Kind::kQ6K;
+  }
   const uint8_t* w;                           // (N, K / 2)
   // chunks of 8 columns, blocks of block_cols (kBlock, or a smaller group: Q6_K's 16), vectors of L::N chunks;
   // stride: int32 per activation row
@@ -533,6 +538,7 @@ struct Int4Format {
   std::vector<int32_t> x8;                    // int8_x: (M, chunks, 2): per chunk, its columns 0, 2, 4, 6 as 4
                                               // int8 codes, then its columns 1, 3, 5, 7
   std::vector<float> block_scale;             // int8_x: (M, blocks): the value of a code step in each block
+  std::vector<int32_t> code_offsets;          // int8_x, kQ6K: (M, blocks): -32 times each block's sum of codes
   std::vector<float> x_scale;                 // (M,): 1 with int8_x
   std::vector<float> group_sums;              // (M, G): the sums of the codes (int8_x: of x itself)
   std::vector<int64_t> block_group;           // (blocks,): the group of each block (no division in the loops)
@@ -543,8 +549,8 @@ struct Int4Format {
       : w(packed), N(N_), K(K_), group(group_), G(K_ / group_), chunks(K_ / 8), block_cols(std::min(group_, kBlock)),
         blocks(K_ / block_cols), vectors((chunks + L::N - 1) / L::N), stride(vectors * 4 * L::N), scales(scales_),
         mins(mins_), kind(kind_), int8_x(int8_activations), x(int8_x ? 0 : M * stride), x8(int8_x ? M * chunks * 2 : 0),
-        block_scale(int8_x ? M * blocks : 0), x_scale(M), group_sums(M * G), block_group(blocks), group_start(blocks) {
-    TORCH_CHECK(!int8_x || block_cols == kBlock, "gemv: int8 activation codes need blocks of 32 columns");
+        block_scale(int8_x ? M * blocks : 0), code_offsets(int8_x && kind_ == Kind::kQ6K ? M * blocks : 0), x_scale(M), group_sums(M * G), block_group(blocks), group_start(blocks) {
+    TORCH_CHECK(!int8_x || int8_code_cols() % block_cols == 0, "gemv: int8 activation codes need whole blocks");
     for (int64_t kb = 0; kb < blocks; ++kb) {
       block_group[kb] = kb * block_cols / group;
       group_start[kb] = kb * block_cols % group == 0;
@@ -564,24 +570,33 @@ struct Int4Format {
       }
     });
   }
-  // Activation row m (`row`, K values) as int8 codes per block, in the order the dots take them (x8)
+  // Columns per int8 code scale: kQ6K's super-block (llama.cpp's Q8_K: its sub-blocks' sums then meet their int8
+  // scales as integers, one float update a super-block), else a block of 32
+  int64_t int8_code_cols() const { return kind == Kind::kQ6K ? kQ6KSuperCols : kBlock; }
+  // Activation row m (`row`, K values) as int8 codes per int8_code_cols columns, in the order the dots take them (x8);
+  // block_scale per block of block_cols (each block: its code block's scale), kQ6K's code_offsets
   void int8_block_codes(const float* row, int64_t m) {
     x_scale[m] = 1.0f;
     for (int64_t g = 0; g < G; ++g) group_sums[m * G + g] = std::accumulate(row + g * group, row + (g + 1) * group, 0.0f);
     int8_t* codes = reinterpret_cast<int8_t*>(x8.data() + m * chunks * 2);
-    for (int64_t kb = 0; kb < blocks; ++kb) {
-      const float* block = row + kb * kBlock;
+    const int64_t cols = int8_code_cols(), per_block = cols / block_cols;
+    float rounded[kQ6KSuperCols];  // to nearest even
+    for (int64_t cb = 0; cb < K / cols; ++cb) {
+      const float* block = row + cb * cols;
       Wide::V amax = Wide::zero();
-      for (int j = 0; j < kBlock; j += kLanes) amax = Wide::max(amax, Wide::abs(Wide::load(block + j)));
+      for (int64_t j = 0; j < cols; j += kLanes) amax = Wide::max(amax, Wide::abs(Wide::load(block + j)));
       const float top = Wide::max(amax), inverse = top > 0 ? kInt8Max / top : 0.0f;
-      block_scale[m * blocks + kb] = top / kInt8Max;
-      float rounded[kBlock];  // to nearest even
-      for (int j = 0; j < kBlock; j += kLanes) {
+      std::fill_n(block_scale.data() + m * blocks + cb * per_block, per_block, top / kInt8Max);
+      for (int64_t j = 0; j < cols; j += kLanes) {
         Wide::store(rounded + j, Wide::round(Wide::mul(Wide::load(block + j), Wide::set1(inverse))));
       }
-      for (int i = 0; i < kBlock; ++i) {  // position i: chunk i / 8, its columns of parity i % 8 / 4
-        codes[kb * kBlock + i] = static_cast<int8_t>(rounded[8 * (i / 8) + 2 * (i % 4) + i % 8 / 4]);
+      for (int64_t i = 0; i < cols; ++i) {  // position i: chunk i / 8, its columns of parity i % 8 / 4
+        codes[cb * cols + i] = static_cast<int8_t>(rounded[8 * (i / 8) + 2 * (i % 4) + i % 8 / 4]);
       }
+    }
+    if (kind != Kind::kQ6K) return;
+    for (int64_t kb = 0; kb < blocks; ++kb) {  // q - 32 met as q, less 32 times the block's codes
+      code_offsets[m * blocks + kb] = -32 * std::accumulate(codes + kb * block_cols, codes + (kb + 1) * block_cols, 0);
     }
   }
   int32_t* pairs(int64_t m, int64_t c) {  // chunk c's pair for s = 0; s's L::N * s on
@@ -766,6 +781,21 @@ struct Int4Format {
     const L::I second = j == 0 ? L::shift_left(high, 2) : L::shift_right(high, 6);
     high_bit_pairs(first, second, L::set1_int(0x00300030), L::set1_int(0x03000300), w);
   }
+  // kQ6K at int8 codes: a chunk's even columns (bytes & 0x0F: columns 0, 2, 4, 6, a byte each) and odd ones
+  // ((bytes >> 4) & 0x0F) made whole 6-bit codes, each column's high bit pair (at six_bit_pairs' bits) brought to bits
+  // 4 and 5 of its byte: a shift for bytes 0 and 2 and another for bytes 1 and 3, per chunk j and parity
+  static void six_bit_bytes(L::I bytes, L::I high, int j, L::I& even, L::I& odd) {
+    const L::I nibbles = L::set1_int(0x0F0F0F0F), outer = L::set1_int(0x00300030), inner = L::set1_int(0x30003000);
+    even = L::and_int(bytes, nibbles);
+    odd = L::and_int(L::shift_right(bytes, 4), nibbles);
+    if (j == 0) {
+      even = L::masked_or(L::shift_left(high, 4), outer, L::masked_or(L::shift_left(high, 10), inner, even));
+      odd = L::masked_or(high, outer, L::masked_or(L::shift_left(high, 6), inner, odd));
+    } else {
+      even = L::masked_or(L::shift_right(high, 4), outer, L::masked_or(L::shift_left(high, 2), inner, even));
+      odd = L::masked_or(L::shift_right(high, 8), outer, L::masked_or(L::shift_right(high, 2), inner, odd));
+    }
+  }
   // kQ5_0: nibble_pairs' w[s] of chunk j (< 4) of a block made whole 5-bit codes q = nibble + 16 * fifth bit, from the
   // block's line of fifth bits: that of column i of chunk j at bit j + 4i (quant/gguf_tiles.py), so a shift left by
   // 4 - j brings columns 0, 1 (and 4, 5) to bits 4, 8 (20, 24) and one right by 4 + j columns 2, 3 (6, 7)
@@ -796,14 +826,23 @@ struct Int4Format {
     constexpr bool kLined = is_lined(kTiles), kHighLine = kTiles == Kind::kQ6K || kTiles == Kind::kQ5_0;
     constexpr int kBlockChunks = (kLined ? lined(kTiles).cols : kBlock) / 8;
     constexpr int kChunkLines = kTiles == Kind::kQ8_0 ? 2 : 1;
-    constexpr int C = chains(M), kGroup = C / 2;  // sums per activation row; chunks whose sums are apart
+    // kQ6K at int8 codes: integer sums per super-block (int8_code_cols); where quad sums are int32, each row's block
+    // starts at its code offset, and from 5 rows on (enough chains to wait on) even and odd columns share one sum
+    constexpr bool kIntSums = kInt8X && kTiles == Kind::kQ6K, kOffsetFirst = kIntSums && L::kInt32QuadSums;
+    constexpr int C = kOffsetFirst && M > 4 ? 1 : chains(M), kGroup = std::max(1, C / 2);  // sums per activation row;
+                                                                                           // chunks whose sums are apart
     L::V acc[M];  // not sum itself: through the pointer, each update went to memory and back
     for (int m = 0; m < M; ++m) acc[m] = L::zero();
     L::V super_d = L::zero(), super_min = L::zero();  // kQ4K: its super-block's d and -dmin, converted once for 8 blocks
+    L::I super_sum[kIntSums ? M : 1];
+    for (L::I& s : super_sum) s = L::zero_int();
     const bool prefetch = from_memory && rows.in_memory();
     for (int64_t kb = 0; kb < blocks; ++kb) {
       L::I dots[M * C];  // per activation row, per chunk of a group: even s, odd s
       for (int i = 0; i < M * C; ++i) dots[i] = L::zero_int();
+      if constexpr (kOffsetFirst) {
+        for (int m = 0; m < M; ++m) dots[m * C] = L::set1_int(code_offsets[(m0 + m) * blocks + kb]);
+      }
       // each line of the tile's stream requests the one kL2PrefetchBytes on, on the first pass over it
       if (prefetch) {
         if constexpr (kLined) {
@@ -833,13 +872,14 @@ struct Int4Format {
         }
         const int chunk_sums = j % kGroup * 2;
         if constexpr (kInt8X) {
-          const L::I bytes = rows.codes(c), low = L::set1_int(0x0F0F0F0F);
-          const L::I even = L::and_int(bytes, low), odd = L::and_int(L::shift_right(bytes, 4), low);
+          const L::I bytes = L::load_int(line), low = L::set1_int(0x0F0F0F0F);
+          L::I even = L::and_int(bytes, low), odd = L::and_int(L::shift_right(bytes, 4), low);
+          if constexpr (kTiles == Kind::kQ6K) six_bit_bytes(bytes, high, j, even, odd);
           for (int m = 0; m < M; ++m) {  // each quad of codes broadcast from memory into its instruction
             const int32_t* quads = block_pairs + m * chunks * 2 + j * 2;
             L::I* d = dots + m * C + chunk_sums;
             d[0] = L::dot_uint8(d[0], even, L::set1_int(quads[0]));
-            d[1] = L::dot_uint8(d[1], odd, L::set1_int(quads[1]));
+            d[C > 1] = L::dot_uint8(d[C > 1], odd, L::set1_int(quads[1]));
           }
           continue;
         }
@@ -858,6 +898,26 @@ struct Int4Format {
             d = L::dot_int16(d, w[s], L::set1_int(x_pairs[s * L::N]));
           }
         }
+      }
+      if constexpr (kIntSums) {  // each row's dot less its offset, times the sub-block's int8 sc, into its super-block's
+        // sum (at most 16 x 128 x 16 x 32 x 127: int32), which meets d and its code scale at the super-block's end
+        constexpr Lined l = lined(kTiles);
+        const int32_t* lines = rows.lined_factors<kTiles>(kb);
+        const L::I sc = L::load_int8_32(reinterpret_cast<const int8_t*>(lines + L::N) + kb % l.blocks * L::N);
+        for (int m = 0; m < M; ++m) {
+          L::I dot = L::quad_sums_total(dots[m * C]);  // a sum (2 x 2 x 63 x 127, AVX2's int16) into int32 each
+          for (int j = 1; j < C; ++j) dot = L::add(dot, L::quad_sums_total(dots[m * C + j]));
+          if constexpr (!kOffsetFirst) dot = L::add(dot, L::set1_int(code_offsets[(m0 + m) * blocks + kb]));
+          super_sum[m] = L::add(super_sum[m], L::mul32(dot, sc));
+        }
+        if (kb % l.blocks == l.blocks - 1) {
+          const L::V d = L::load(reinterpret_cast<const float*>(lines));
+          for (int m = 0; m < M; ++m) {
+            acc[m] = L::fmadd(L::to_float(super_sum[m]), L::mul(d, L::set1(block_scale[(m0 + m) * blocks + kb])), acc[m]);
+            super_sum[m] = L::zero_int();
+          }
+        }
+        continue;
       }
       BlockScales scales_of_block;
       if constexpr (kLined) {
@@ -952,7 +1012,16 @@ struct Int4Format {
     if constexpr (kStreamed) {
       streamed<MR>(rows, n, m0, q, sum);
     } else if (int8_x) {
-      dot<MR, true>(rows, m0, sum, from_memory);
+      switch (rows.kind) {
+        case Kind::kQ6K:
+          dot<MR, true, Kind::kQ6K>(rows, m0, sum, from_memory);
+          break;
+        case Kind::kQ4K:
+          dot<MR, true, Kind::kQ4K>(rows, m0, sum, from_memory);
+          break;
+        default:
+          dot<MR, true>(rows, m0, sum, from_memory);
+      }
     } else {
       switch (rows.kind) {
         case Kind::kQ6K:
@@ -1058,8 +1127,9 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 //   of its scales and mins (quant/int4.py's tile_rows): the decode step reads them as one stream, without
 //   transposing them on the way. Bias (N,). Scales, mins (of rows) and bias are read as fp32 (converted once,
 //   here, when they are bf16). int8_from_rows: products of at least this many activation rows (0: none) meet int4
-//   weights with int8 activation codes per block of 32 columns (Int4Format's int8_x: a speculative draft's, whose
-//   steps of many rows are bound by the multiply-adds), not int16 ones per row; the other formats ignore it. `dense`: a
+//   weights (Q4_K's and Q6_K's tiles too) with int8 activation codes per block of 32 columns (Int4Format's int8_x: a
+//   speculative draft's, whose steps of many rows are bound by the multiply-adds, or precision.activations=int8), not
+//   int16 ones per row; the other formats ignore it. `dense`: a
 //   quantized layer's dequantized bf16 copy (N, K) (kernels/layer.py's DenseCopyLayer), which the amx build
 //   multiplies on its bf16 tiles from `dense_from_rows` activation rows on (a prompt chunk: there the tiles over the
 //   copy outrun the int4 kernel several times, and the Python model's oneDNN GEMM over it up to ~200 rows); int4
@@ -1070,8 +1140,8 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 //   own lines (Int4Format's kQ4K, kQ6K, kQ5_0, kQ8_0), without scales or mins (they are the tiles' own, in lines fp16
 //   views could not name): Q4_K int32 (N / L::N, K / 8 + K / 256 * 5, L::N), Q6_K int32 (N / L::N, K / 256, 53, L::N),
 //   Q5_0 int32 (N / L::N, K / 64, 11, L::N), Q8_0 int32 (N / L::N, K / 64, 17, L::N) (the lined kinds: their lines per
-//   super-block name them); these three meet int16 activation codes whatever int8_from_rows says
-//   (Int4Format::takes_int8_codes). A projection may also be stacked from parts, each its own rows in its own format (a fused
+//   super-block name them); Q5_0's and Q8_0's tiles and the blocks meet int16 activation codes whatever
+//   int8_from_rows says (Int4Format::takes_int8_codes). A projection may also be stacked from parts, each its own rows in its own format (a fused
 //   q/k/v whose v a K-quant file keeps in more bits than q and k).
 struct Projection {
   at::Tensor weight;

@@ -101,11 +101,13 @@ struct Lanes<8> {
   static I dot_uint8(I acc, I u, I s) { return _mm256_dpbusd_epi32(acc, u, s); }  // + quads u.s (VNNI)
   static I add_quad_sums(I a, I b) { return _mm256_add_epi32(a, b); }
   static I quad_sums_total(I a) { return a; }
+  static constexpr bool kInt32QuadSums = true;  // quad sums are int32 lanes: any int32 may start them
 #else
   static I dot_int16(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }  // + pairs a.b
   static I dot_uint8(I acc, I u, I s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
   static I add_quad_sums(I a, I b) { return _mm256_add_epi16(a, b); }
   static I quad_sums_total(I a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+  static constexpr bool kInt32QuadSums = false;
 #endif
   static V to_float(I a) { return _mm256_cvtepi32_ps(a); }
   static float sum(I a) { return sum(to_float(a)); }
@@ -163,6 +165,10 @@ struct Lanes<8> {
   static I shift_right_signed16(I a, int bits) { return _mm256_srai_epi16(a, bits); }
   static I sub16(I a, I b) { return _mm256_sub_epi16(a, b); }
   static I mul16(I a, I b) { return _mm256_mullo_epi16(a, b); }
+  static I mul32(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I load_int8_32(const int8_t* p) {  // 8 int8 as int32 lanes
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
   static I set1_16(int16_t x) { return _mm256_set1_epi16(x); }
   static I halves16(int16_t a, int16_t b) { return _mm256_setr_m128i(_mm_set1_epi16(a), _mm_set1_epi16(b)); }
   static I sixteens(uint32_t bits) {
@@ -286,6 +292,10 @@ struct Lanes<16> {
   static I shift_right_signed16(I a, int bits) { return _mm512_srai_epi16(a, bits); }
   static I sub16(I a, I b) { return _mm512_sub_epi16(a, b); }
   static I mul16(I a, I b) { return _mm512_mullo_epi16(a, b); }
+  static I mul32(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I load_int8_32(const int8_t* p) {  // 16 int8 as int32 lanes
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static I set1_16(int16_t x) { return _mm512_set1_epi16(x); }
   static I halves16(int16_t a, int16_t b) {
     return _mm512_inserti64x4(_mm512_set1_epi16(a), _mm256_set1_epi16(b), 1);
@@ -301,6 +311,7 @@ struct Lanes<16> {
   static I dot_uint8(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }  // VNNI: + quads u.s (uint8, int8)
   static I add_quad_sums(I a, I b) { return _mm512_add_epi32(a, b); }  // quad sums are int32 lanes here
   static I quad_sums_total(I a) { return a; }
+  static constexpr bool kInt32QuadSums = true;
 };
 #else
 constexpr int kLanes = 8;
