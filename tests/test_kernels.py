@@ -389,10 +389,10 @@ def test_decode_attention_writes_the_step_and_equals_sdpa(isa, dtype, block_size
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
 def test_prompt_chunks_attend_causally_beside_single_rows(isa, heads, head_dim):
     """One step's rows as the fused step hands them over: a chunk of 37 rows after 20 cached positions, a decode of
-    another sequence, a chunk of 16 rows from position 0 and a run of 15 (bf16 pools, fp32 queries). On the amx
-    build runs of 16 rows or more of one sequence take the tiles (csrc/chunk_attention.h: bf16 queries and weights,
-    partial tiles of rows and keys, causal within the chunk); the others, and head dims not a multiple of 64,
-    attend a row at a time in fp32. Every row equals attention over its own keys up to its position."""
+    another sequence, a chunk of 16 rows from position 0 and a run of 15 (bf16 pools, fp32 queries). On the AVX-512
+    builds runs of 16 rows or more of one sequence attend a tile of rows at a time in bf16 pair dots (AMX tiles or
+    the vectors; csrc/chunk_attention.h: bf16 queries and weights, partial tiles of rows and keys, causal within the
+    chunk); the others, and head dims not a multiple of 64, attend a row at a time in fp32. Every row equals attention over its own keys up to its position."""
     torch.manual_seed(head_dim)
     (n_heads, n_kv_heads), block_size, per_sequence = heads, 16, 8
     runs = [(0, range(20, 57)), (1, range(90, 91)), (2, range(0, 16)), (3, range(5, 20))]  # (sequence, positions)
@@ -406,7 +406,7 @@ def test_prompt_chunks_attend_causally_beside_single_rows(isa, heads, head_dim):
     q = torch.randn(len(rows), n_heads, 1, head_dim)
     k, v = (torch.randn(len(rows), n_kv_heads, 1, head_dim) for _ in range(2))
     out = decode_attention(q, k, v, k_pool, v_pool, tables, positions)
-    chunk_rows = head_dim % 64 == 0 and isa == "amx"
+    chunk_rows = head_dim % 64 == 0 and isa in ("avx512", "amx")
     for i, (s, p) in enumerate(rows):
         keys, values = (
             pool[sequence_tables[s]].transpose(0, 1).reshape(n_kv_heads, -1, head_dim)[:, : p + 1]

@@ -7,9 +7,9 @@
 // through each sequence's block table (the contiguous cache is the case of one block per slot).
 // Query heads sharing a key/value head (GQA) are attended in one pass over its keys; exp is a
 // vectorized polynomial with relative error below 2e-7. Used by the `decode_attention` op and the whole decode step (decode_step.cpp).
-// On the amx build a step's runs of kChunkMinRows or more rows of one sequence (a prompt chunk, bf16 keys) attend on
-// the tiles instead (chunk_attention.h: a chunk's rows share every key they read, which the tiles multiply at once
-// where this loop reads the keys again for each row).
+// On the AVX-512 builds a step's runs of kChunkMinRows or more rows of one sequence (a prompt chunk, bf16 keys) attend
+// a tile of 16 rows at a time instead, in bf16 pair dots (chunk_attention.h: on AMX tiles or the vectors; a chunk's
+// rows share every key they read, laid out once, where this loop reads the keys again for each row).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -341,9 +341,9 @@ void attend_heads(const float* q, const KvPool<T>& keys, const KvPool<T>& values
   on(Narrow{});
 }
 
-#ifdef INFERLAB_AMX
+#ifdef INFERLAB_AVX512
 // The runs of kChunkMinRows or more rows of one sequence at consecutive positions (a prompt chunk: the same block
-// table) attended on the tiles (chunk_attention.h); returns the other rows, for the loop a row at a time
+// table) attended a tile of rows at a time (chunk_attention.h); returns the other rows, for the loop a row at a time
 inline std::vector<int64_t> attend_chunks(const float* q, const KvPool<at::BFloat16>& k_pool,
                                           const KvPool<at::BFloat16>& v_pool, const int64_t* tables,
                                           int64_t table_width, const int64_t* positions, int64_t B, int64_t H,
@@ -422,8 +422,8 @@ void write_and_attend(const float* q, const float* k, const float* v, const KvPo
   }
   std::vector<int64_t> rows(B);  // the rows attended one at a time
   std::iota(rows.begin(), rows.end(), 0);
-#ifdef INFERLAB_AMX
-  if constexpr (std::is_same_v<T, at::BFloat16>) {  // a prompt chunk's rows on the tiles; the others stay
+#ifdef INFERLAB_AVX512
+  if constexpr (std::is_same_v<T, at::BFloat16>) {  // a prompt chunk's rows a tile at a time; the others stay
     if (D % 64 == 0 && B >= kChunkMinRows) {
       rows = attend_chunks(q, k_pool, v_pool, tables, table_width, positions, B, H, H_kv, D, scale, out);
     }

@@ -1,22 +1,28 @@
-// Attention for a prompt chunk on AMX tiles (the amx build): R consecutive rows of one sequence, at positions
-// p0 .. p0 + R - 1, each over the sequence's bf16 keys and values up to its own position (causal).
+// Attention for a prompt chunk (the AVX-512 builds): R consecutive rows of one sequence, at positions p0 .. p0 + R - 1,
+// each over the sequence's bf16 keys and values up to its own position (causal).
 //
 // attention.h's loop attends a row at a time: every row of a 128-row chunk reads and widens the same keys again, and
-// its products run on the vector units. Here a chunk's keys and values are laid out once per key/value head as B
-// tiles (the keys' column pairs by key, the values' key pairs by column), and each tile of 16 rows takes its scores
-// S = Q K^T and its output P V as tile dots (TDPBF16PS), with the softmax between them on the vector units: the
-// queries (scaled) and the unnormalized weights P are rounded to bf16, as a bf16 model's own attention rounds them
-// (the per-row loop keeps both in fp32); every product is exact and summed in fp32, the weights' sums in fp32 from
-// their unrounded values. A row's result depends only on its own query and keys: rows of a tile are independent.
+// its products are fp32 multiply-adds of one row. Here a chunk's keys and values are laid out once per key/value head
+// (ChunkKv: the keys' column pairs by key, the values' key pairs by column), and each tile of up to 16 rows takes its
+// scores S = Q K^T and its output P V as bf16 pair dots summed in fp32, with the softmax between them: on AMX tiles
+// (TDPBF16PS, the amx build), else on the vectors (VDPBF16PS: one instruction a column pair of 16 keys, or a key pair
+// of 16 columns, per row). The queries (scaled) and the unnormalized weights P are rounded to bf16, as a bf16 model's
+// own attention rounds them (the per-row loop keeps both in fp32); every product is exact and summed in fp32, the
+// weights' sums in fp32 from their unrounded values. A row's result depends only on its own query and keys: rows of
+// a tile are independent.
 #pragma once
 
-#ifdef INFERLAB_AMX
+#ifdef INFERLAB_AVX512
 
 #include <cstdint>
+#include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#ifdef INFERLAB_AMX
 #include "amx.h"
+#endif
 #include "simd.h"
 
 namespace inferlab {
@@ -50,6 +56,40 @@ struct ChunkKv {
   }
 };
 
+// The tile's n rows' query of one head (row stride `stride`) times `scale`, rounded to bf16 into qb (n, D)
+inline void chunk_queries(const float* q, int64_t stride, int64_t n, int64_t D, float scale, uint16_t* qb) {
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(q + i * stride + d), _mm512_set1_ps(scale));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i * D + d), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+    }
+  }
+}
+
+// The tile's n rows' weights from their scores (row stride width; row i at position pos0 + i): softmax over keys
+// 0..pos unnormalized, rounded to bf16 into pb (row stride width; zeros beyond pos), and 1 / their fp32 sum in inv
+inline void chunk_weights(const float* s, int64_t width, int64_t n, int64_t pos0, uint16_t* pb, float* inv) {
+  for (int64_t i = 0; i < n; ++i) {  // softmax over keys 0..pos (pos = pos0 + i), zeros beyond
+    const float* row = s + i * width;
+    const int64_t keys = pos0 + i + 1;
+    auto mask = [&](int64_t l) {  // the lanes of keys l .. l + 15 up to pos
+      return l + 16 <= keys ? __mmask16(0xFFFF) : l < keys ? static_cast<__mmask16>((1u << (keys - l)) - 1) : __mmask16(0);
+    };
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t l = 0; l < keys; l += 16) top = _mm512_mask_max_ps(top, mask(l), top, _mm512_loadu_ps(row + l));
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t l = 0; l < keys; l += 16) {
+      const __m512 e = _mm512_maskz_mov_ps(mask(l), exp<Wide>(_mm512_sub_ps(_mm512_loadu_ps(row + l), max)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + i * width + l),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+    }
+    inv[i] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+}
+
+#ifdef INFERLAB_AMX
 // Rows first .. first + n - 1 (n <= 16) of a chunk at positions p0 + first .., query heads head0 .. head0 + heads - 1
 // of the rows' (H, D) q (fp32, row stride H * D), over `kv` (D a multiple of 64): out (row stride H * D) =
 // softmax(q k^T * scale) v, head by head
@@ -68,13 +108,7 @@ inline void attend_chunk_tile(const ChunkKv& kv, const float* q, int64_t H, int6
   for (int t = 4; t < 8; ++t) config.shape(t, n, 64);
   config.load();
   for (int64_t head = head0; head < head0 + heads; ++head) {
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(q + (first + i) * H * D + head * D + d), _mm512_set1_ps(scale));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb.data() + i * D + d),
-                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
-      }
-    }
+    chunk_queries(q + first * H * D + head * D, H * D, n, D, scale, qb.data());
     for (int64_t kb = 0; kb < key_blocks; ++kb) {
       _tile_zero(4);
       for (int64_t c = 0; c < D / 32; ++c) {
@@ -84,24 +118,7 @@ inline void attend_chunk_tile(const ChunkKv& kv, const float* q, int64_t H, int6
       }
       _tile_stored(4, s.data() + kb * 16, width * 4);
     }
-    for (int64_t i = 0; i < n; ++i) {  // softmax over keys 0..pos (pos = p0 + first + i), zeros beyond
-      const float* row = s.data() + i * width;
-      const int64_t keys = p0 + first + i + 1;
-      auto mask = [&](int64_t l) {  // the lanes of keys l .. l + 15 up to pos
-        return l + 16 <= keys ? __mmask16(0xFFFF) : l < keys ? static_cast<__mmask16>((1u << (keys - l)) - 1) : __mmask16(0);
-      };
-      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t l = 0; l < keys; l += 16) top = _mm512_mask_max_ps(top, mask(l), top, _mm512_loadu_ps(row + l));
-      const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t l = 0; l < keys; l += 16) {
-        const __m512 e = _mm512_maskz_mov_ps(mask(l), exp<Wide>(_mm512_sub_ps(_mm512_loadu_ps(row + l), max)));
-        sum = _mm512_add_ps(sum, e);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.data() + i * width + l),
-                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
-      }
-      inv[i] = 1.0f / _mm512_reduce_add_ps(sum);
-    }
+    chunk_weights(s.data(), width, n, p0 + first, pb.data(), inv);
     for (int64_t d0 = 0; d0 < D; d0 += 64) {  // four column blocks of 16 at a time: C 4..7
       _tile_zero(4);
       _tile_zero(5);
@@ -133,8 +150,109 @@ inline void attend_chunk_tile(const ChunkKv& kv, const float* q, int64_t H, int6
   }
   _tile_release();
 }
+#else
+inline __m512bh bf16_pairs(const uint32_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+inline __m512bh bf16_pair_of(uint32_t pair) { return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair))); }
+
+// R rows' scores (row stride width) over key blocks 0..key_blocks - 1, two blocks of 16 keys at a time (2R sums, each
+// a lane per key): per column pair, its 16 keys' pairs times each row's query pair (qp: R rows of `pairs`). A key block
+// past key_blocks is the layout's padding (ChunkKv's keys come in blocks of 32), within the scores' width
+template <int R>
+void chunk_scores(const uint32_t* keys, const uint32_t* qp, int64_t pairs, int64_t key_blocks, int64_t width, float* s) {
+  for (int64_t kb = 0; kb < key_blocks; kb += 2) {
+    const uint32_t* block = keys + kb * pairs * 16;
+    __m512 acc[2][R];
+    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh a = bf16_pairs(block + p * 16), b = bf16_pairs(block + (pairs + p) * 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = bf16_pair_of(qp[r * pairs + p]);
+        acc[0][r] = _mm512_dpbf16_ps(acc[0][r], a, x);
+        acc[1][r] = _mm512_dpbf16_ps(acc[1][r], b, x);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(s + r * width + kb * 16, acc[0][r]);
+      _mm512_storeu_ps(s + r * width + kb * 16 + 16, acc[1][r]);
+    }
+  }
+}
+
+// R rows' unnormalized outputs (row stride D) = their weights (pp: R rows of width / 2 pairs) times the values, 64
+// columns at a time (4R sums, each a lane per column): per key pair, its pairs of 16 columns times each row's weight pair
+template <int R>
+void chunk_outputs(const uint32_t* values, const uint32_t* pp, int64_t D, int64_t width, float* o) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    }
+    for (int64_t kb = 0; kb < width / 32; ++kb) {
+      const uint32_t* v = values + (kb * (D / 16) + d0 / 16) * 256;
+      for (int j = 0; j < 16; ++j) {
+        const __m512bh columns[4] = {bf16_pairs(v + j * 16), bf16_pairs(v + 256 + j * 16), bf16_pairs(v + 512 + j * 16),
+                                     bf16_pairs(v + 768 + j * 16)};
+        for (int r = 0; r < R; ++r) {
+          const __m512bh x = bf16_pair_of(pp[r * width / 2 + kb * 16 + j]);
+          for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], columns[c], x);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + r * D + d0 + 16 * c, acc[r][c]);
+    }
+  }
+}
+
+// f(std::integral_constant<int, r>) for the r = min(4, n) rows of a group (r known at compile time)
+template <typename F>
+void with_row_group(int64_t n, const F& f) {
+  switch (std::min<int64_t>(n, 4)) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    default:
+      return f(std::integral_constant<int, 4>{});
+  }
+}
+
+// The AMX tile's work on the vectors (same arguments, the same roundings), rows in groups of 4
+inline void attend_chunk_tile(const ChunkKv& kv, const float* q, int64_t H, int64_t first, int64_t n, int64_t p0,
+                              int64_t head0, int64_t heads, float scale, float* out) {
+  const int64_t D = kv.D, last = p0 + first + n - 1;  // the tile's last position: keys 0..last
+  const int64_t key_blocks = last / 16 + 1, width = (last + 32) / 32 * 32;  // scores' columns, a multiple of 32
+  std::vector<uint16_t> qb(16 * D), pb(16 * width, 0);
+  std::vector<float> s(16 * width), o(16 * D);
+  alignas(64) float inv[16];
+  const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb.data());
+  const uint32_t* pp = reinterpret_cast<const uint32_t*>(pb.data());
+  for (int64_t head = head0; head < head0 + heads; ++head) {
+    chunk_queries(q + first * H * D + head * D, H * D, n, D, scale, qb.data());
+    for (int64_t i = 0; i < n; i += 4) {
+      with_row_group(n - i, [&](auto r) {
+        chunk_scores<decltype(r)::value>(kv.keys.data(), qp + i * D / 2, D / 2, key_blocks, width, s.data() + i * width);
+      });
+    }
+    chunk_weights(s.data(), width, n, p0 + first, pb.data(), inv);
+    for (int64_t i = 0; i < n; i += 4) {
+      with_row_group(n - i, [&](auto r) {
+        chunk_outputs<decltype(r)::value>(kv.values.data(), pp + i * width / 2, D, width, o.data() + i * D);
+      });
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t d = 0; d < D; d += 16) {
+        _mm512_storeu_ps(out + (first + i) * H * D + head * D + d,
+                         _mm512_mul_ps(_mm512_loadu_ps(o.data() + i * D + d), _mm512_set1_ps(inv[i])));
+      }
+    }
+  }
+}
+#endif  // INFERLAB_AMX
 
 }  // namespace INFERLAB_ISA
 }  // namespace inferlab
 
-#endif  // INFERLAB_AMX
+#endif  // INFERLAB_AVX512
