@@ -144,6 +144,23 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
         assert rows["openvino"]["note"].startswith("OpenVINO GenAI") and "Q4_1.gguf" in rows["openvino"]["note"]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here")
+def test_peers_add_the_job_at_int8_activation_codes_where_its_precision_takes_them(tmp_path: Path):
+    """"inferlab int8 codes": the job's engine again at precision.activations=int8, on the job's own build, in the same
+    rounds; a precision without int8 codes (bf16) gets no such row."""
+    engines = "study.engines=[inferlab,'inferlab int8 codes']"
+    common = ("study=peers", "size=smoke", "model=smollm2-135m", "measure.repeats=1", "study.prefill_tokens=[32]")
+    result = one_ok_result(tmp_path / "int4", *common, "precision=int4", "study.isas=[]", engines)
+    rows = {row["engine"]: row for row in result["rows"]}
+    assert set(rows) == {"inferlab", "inferlab int8 codes"}
+    assert rows["inferlab int8 codes"]["isa"] == rows["inferlab"]["isa"]
+    assert "precision.activations=int8" in rows["inferlab int8 codes"]["note"]
+    assert rows["inferlab int8 codes"]["decode_tok_s"] > 0 and rows["inferlab int8 codes"]["prefill_32_tok_s"] > 0
+    result = one_ok_result(tmp_path / "bf16", *common, "precision=bf16", "study.isas=[]", engines)
+    assert [row["engine"] for row in result["rows"]] == ["inferlab"]
+
+
 def test_a_paired_prefill_is_timed_beside_ours_in_turns_and_given_as_its_seconds_over_ours():
     calls: list[str] = []
 

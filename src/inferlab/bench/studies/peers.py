@@ -9,6 +9,9 @@ weight bytes gets (weights that fit the last-level cache read faster than ones t
 engine once (medians over the rounds). The roofline is that bandwidth over the bytes of weights one decode step
 reads. inferlab runs once per instruction set of `study.isas` that the CPU
 runs (its kernels' builds, kernels/isa.py), each row naming its set; the peers name what they run on.
+An engine "inferlab int8 codes" in `study.engines` adds the job's engine at precision.activations=int8 on the same
+build, where the job's precision takes it (int4, and gguf: K-quant files): llama.cpp's own arithmetic (int8 activation
+codes), beside the served default's int16 codes.
 Beside `study.prefill_paired_with` (a precision), the job's own inferlab engine also has its prefill timed
 against that precision's, back to back on the same two prompts in every round (ABBA): `prefill_N_vs_PRECISION`
 is the other's seconds over ours (above 1: ours is faster), a ratio the machine's drift over minutes does not reach.
@@ -51,6 +54,7 @@ from inferlab.quant import dense_copy_bytes, weight_bytes
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the precision that serves a GGUF file type as stored (the K-quant and other block types: gguf)
 STORED_PRECISIONS = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "Q8_0": "int8", "Q4_1": "int4"}
+INT8_CODES = "inferlab int8 codes"  # the job's engine at precision.activations=int8 (int8_codes_peer)
 LLAMA_CPP_ISA_FEATURES = {"avx2": {"AVX2", "FMA"}, "avx512": {"AVX2", "FMA", "AVX512", "AVX512_VNNI", "AVX512_BF16"}}
 
 
@@ -95,6 +99,8 @@ def run(cfg: DictConfig) -> Rows:
             paired_prefill(cfg, isa, cfg.study.get("prefill_paired_with")) if e is engine else None,
             dense_copy_bytes=dense_copy_bytes(e.model),
         )
+    if engine.fused is not None and cfg.precision.quant in ("int4", "gguf"):  # the precisions that take int8 codes
+        makers[INT8_CODES, engine.fused.isa] = lambda: int8_codes_peer(cfg, engine.fused.isa)
     common = {
         "file_format": file_format(gguf),
         "prompt_tokens": len(ids),
@@ -202,6 +208,19 @@ def inferlab_prefill(engine: InferenceEngine, isa: str | None) -> Prefill:
         return seconds
 
     return prefill
+
+
+def int8_codes_peer(cfg: DictConfig, isa: str) -> Peer:
+    """The job's engine with int8 activation codes (precision.activations=int8) on build `isa`."""
+    codes_cfg = cfg.copy()
+    with open_dict(codes_cfg):
+        codes_cfg.precision.activations = "int8"
+        codes_cfg.device.isa = isa
+    engine = engine_from_config(codes_cfg)
+    note = f"{engine.loaded.source}; precision.activations=int8 (int8 activation codes, as llama.cpp's)"
+    return Peer(
+        rate_of(inferlab_runner(engine, isa)), inferlab_prefill(engine, isa), weight_bytes(engine.model), note, isa
+    )
 
 
 def inferlab_engines(cfg: DictConfig, engine: InferenceEngine) -> dict[str | None, InferenceEngine]:
