@@ -501,7 +501,9 @@ void run_rows(const F& f, int64_t M, const float* scales, const float* bias, Y* 
 // at int4's 4 multiply-adds per chunk and row; the offset -32 is a min, -32 * d * sc per sub-block (exact), met with
 // the sub-block's sum of activation codes as Q4_K's mins are. 212 bytes a row per 256 columns where the blocks take 210.
 // At int8 codes (int8_x) a chunk's 6-bit codes are whole bytes (six_bit_bytes: the pairs brought above the nibbles,
-// uint8 up to 63 in vpdpbusd's quads), the two sub-blocks of a block of codes each with its own float update.
+// uint8 up to 63 in vpdpbusd's quads), the codes' scale one per super-block (llama.cpp's Q8_K), so that each
+// sub-block's integer dot, less 32 times its sum of codes, meets its int8 sc as an integer and only the super-block's
+// sum is a float update (d times the code scale): a sixteenth of the int16 path's float work.
 // GGUF's 32-weight blocks Q5_0 (w = d * (q - 16), q 5 bits) and Q8_0 (w = d * q, q int8), where a K-quant file's rows
 // are not a multiple of 256, are tiles the same way, in super-blocks of 2 blocks (64 columns) whose last line holds
 // both blocks' fp16 d (kinds kQ5_0, kQ8_0; quant/gguf_tiles.py): as many bytes as the file's blocks. Q5_0: per block
@@ -520,8 +522,8 @@ struct Int4Format {
   // What a tile made before holds besides its codes: per group fp16 scales and mins (quant/int4.py), or a K-quant's
   // own lines (Q4_K: group 32; Q6_K: group 16, high bit pairs among the codes; Q5_0: fifth bits among them; Q8_0)
   enum class Kind { kGroups, kQ4K, kQ6K, kQ5_0, kQ8_0 };
-  // int8 activation codes per block (int8_x) take unsigned codes of at most 6 bits (uint8 times int8 quads): nibbles
-  // and Q6_K's (its two sub-blocks of 16 a block of codes), not Q5_0's or Q8_0's
+  // int8 activation codes (int8_x) take unsigned codes of at most 6 bits (uint8 times int8 quads): nibbles and
+  // Q6_K's, not Q5_0's (their offset is not a sub-block's) or Q8_0's (signed)
   static constexpr bool takes_int8_codes(Kind kind) {
     return kind == Kind::kGroups || kind == Kind::kQ4K || kind == Kind::kQ6K;
   }
@@ -549,7 +551,8 @@ struct Int4Format {
       : w(packed), N(N_), K(K_), group(group_), G(K_ / group_), chunks(K_ / 8), block_cols(std::min(group_, kBlock)),
         blocks(K_ / block_cols), vectors((chunks + L::N - 1) / L::N), stride(vectors * 4 * L::N), scales(scales_),
         mins(mins_), kind(kind_), int8_x(int8_activations), x(int8_x ? 0 : M * stride), x8(int8_x ? M * chunks * 2 : 0),
-        block_scale(int8_x ? M * blocks : 0), code_offsets(int8_x && kind_ == Kind::kQ6K ? M * blocks : 0), x_scale(M), group_sums(M * G), block_group(blocks), group_start(blocks) {
+        block_scale(int8_x ? M * blocks : 0), code_offsets(int8_x && kind_ == Kind::kQ6K ? M * blocks : 0), x_scale(M),
+        group_sums(M * G), block_group(blocks), group_start(blocks) {
     TORCH_CHECK(!int8_x || int8_code_cols() % block_cols == 0, "gemv: int8 activation codes need whole blocks");
     for (int64_t kb = 0; kb < blocks; ++kb) {
       block_group[kb] = kb * block_cols / group;
@@ -1127,9 +1130,9 @@ inline void swiglu(const float* x, int64_t M, int64_t K, float* out) {
 //   of its scales and mins (quant/int4.py's tile_rows): the decode step reads them as one stream, without
 //   transposing them on the way. Bias (N,). Scales, mins (of rows) and bias are read as fp32 (converted once,
 //   here, when they are bf16). int8_from_rows: products of at least this many activation rows (0: none) meet int4
-//   weights (Q4_K's and Q6_K's tiles too) with int8 activation codes per block of 32 columns (Int4Format's int8_x: a
-//   speculative draft's, whose steps of many rows are bound by the multiply-adds, or precision.activations=int8), not
-//   int16 ones per row; the other formats ignore it. `dense`: a
+//   weights (Q4_K's and Q6_K's tiles too) with int8 activation codes per block of 32 columns (Q6_K's per 256;
+//   Int4Format's int8_x: a speculative draft's, whose steps of many rows are bound by the multiply-adds, or
+//   precision.activations=int8), not int16 ones per row; the other formats ignore it. `dense`: a
 //   quantized layer's dequantized bf16 copy (N, K) (kernels/layer.py's DenseCopyLayer), which the amx build
 //   multiplies on its bf16 tiles from `dense_from_rows` activation rows on (a prompt chunk: there the tiles over the
 //   copy outrun the int4 kernel several times, and the Python model's oneDNN GEMM over it up to ~200 rows); int4
