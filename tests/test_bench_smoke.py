@@ -147,8 +147,8 @@ def test_peers_runs_every_engine_in_the_same_rounds_on_the_default_gguf(tmp_path
 @pytest.mark.slow
 @pytest.mark.skipif(not cpu_gemv_available(), reason="no AVX2 CPU or no C++ toolchain here")
 def test_peers_add_the_job_at_int8_activation_codes_where_its_precision_takes_them(tmp_path: Path):
-    """"inferlab int8 codes": the job's engine again at precision.activations=int8, on the job's own build, in the same
-    rounds; a precision without int8 codes (bf16) gets no such row."""
+    """The row "inferlab int8 codes": the job's engine again at precision.activations=int8, on the job's own build, in
+    the same rounds; a precision without int8 codes (bf16) gets no such row."""
     engines = "study.engines=[inferlab,'inferlab int8 codes']"
     common = ("study=peers", "size=smoke", "model=smollm2-135m", "measure.repeats=1", "study.prefill_tokens=[32]")
     result = one_ok_result(tmp_path / "int4", *common, "precision=int4", "study.isas=[]", engines)

@@ -242,13 +242,16 @@ def kv_dtype_of(cache: DictConfig) -> torch.dtype | None:
     return KV_INT8
 
 
+INT8_CODE_QUANTS = ("int4", "gguf")  # the quantized precisions whose products may take int8 activation codes
+
+
 def int8_activations_of(precision: DictConfig) -> bool:
-    """precision.activations (int4 weights, and a GGUF's K-quant blocks: precision=gguf): int16 codes per row (False)
-    or int8 codes per block of 32 (True)."""
+    """precision.activations (the INT8_CODE_QUANTS: int4 weights, a GGUF's K-quant blocks): int16 codes per row (False)
+    or int8 codes per block of 32 columns, Q6_K's per 256 (True)."""
     activations = precision.get("activations", "int16")
     if activations not in ("int16", "int8"):
         raise InvalidRequestError(f"precision.activations must be int16 or int8 (got {activations})")
-    if activations == "int8" and precision.quant not in ("int4", "gguf"):
+    if activations == "int8" and precision.quant not in INT8_CODE_QUANTS:
         raise InvalidRequestError(
             f"precision.activations=int8 is for int4 weights and GGUF K-quants (this model runs {precision.name})"
         )

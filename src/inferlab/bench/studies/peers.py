@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
-from inferlab.api import engine_from_config, precision_config
+from inferlab.api import INT8_CODE_QUANTS, engine_from_config, precision_config
 from inferlab.bench import openvino_worker
 from inferlab.bench.peer_servers import llama_cpp_tool, llama_cpp_version
 from inferlab.bench.progress import progress
@@ -99,7 +99,7 @@ def run(cfg: DictConfig) -> Rows:
             paired_prefill(cfg, isa, cfg.study.get("prefill_paired_with")) if e is engine else None,
             dense_copy_bytes=dense_copy_bytes(e.model),
         )
-    if engine.fused is not None and cfg.precision.quant in ("int4", "gguf"):  # the precisions that take int8 codes
+    if engine.fused is not None and cfg.precision.quant in INT8_CODE_QUANTS:
         makers[INT8_CODES, engine.fused.isa] = lambda: int8_codes_peer(cfg, engine.fused.isa)
     common = {
         "file_format": file_format(gguf),
