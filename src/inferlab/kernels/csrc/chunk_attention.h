@@ -14,8 +14,8 @@
 
 #ifdef INFERLAB_AVX512
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -28,9 +28,10 @@
 namespace inferlab {
 inline namespace INFERLAB_ISA {
 
-constexpr int64_t kChunkMinRows = 16;  // a run of this many rows of one sequence or more takes the tiles
+constexpr int64_t kChunkMinRows = 16;  // a run of this many rows of one sequence or more attends a tile at a time
 
-// One key/value head's keys 0..L-1 and their values as B tiles, made once per chunk and head
+// One key/value head's keys 0..L-1 and their values as AMX B tiles (each 64-byte line of them one vector of the
+// vector path's dots), made once per chunk and head
 struct ChunkKv {
   int64_t D = 0;                 // head dim; below, `padded`: the keys rounded up to 32 (the value tiles' depth)
   std::vector<uint32_t> keys;    // (padded / 16, D / 32, 16, 16): [key block][column chunk][pair p][key n] = k[n][2p, 2p+1]
