@@ -90,14 +90,8 @@ def run(cfg: DictConfig) -> Rows:
         ("openvino", None): lambda: openvino_peer(gguf, cfg.precision.name, cfg.study.get("openvino_python")),
     }
     for isa, isa_engine in inferlab_engines(cfg, engine).items():
-        makers["inferlab", isa] = lambda e=isa_engine, isa=isa: Peer(
-            rate_of(inferlab_runner(e, isa)),
-            inferlab_prefill(e, isa),
-            weight_bytes(e.model),
-            e.loaded.source,
-            isa or engine.config.device.type,
-            paired_prefill(cfg, isa, cfg.study.get("prefill_paired_with")) if e is engine else None,
-            dense_copy_bytes=dense_copy_bytes(e.model),
+        makers["inferlab", isa] = lambda e=isa_engine, isa=isa: inferlab_peer(
+            e, isa, paired=paired_prefill(cfg, isa, cfg.study.get("prefill_paired_with")) if e is engine else None
         )
     if engine.fused is not None and cfg.precision.quant in INT8_CODE_QUANTS:
         makers[INT8_CODES, engine.fused.isa] = lambda: int8_codes_peer(cfg, engine.fused.isa)
@@ -217,9 +211,22 @@ def int8_codes_peer(cfg: DictConfig, isa: str) -> Peer:
         codes_cfg.precision.activations = "int8"
         codes_cfg.device.isa = isa
     engine = engine_from_config(codes_cfg)
-    note = f"{engine.loaded.source}; precision.activations=int8 (int8 activation codes, as llama.cpp's)"
+    return inferlab_peer(engine, isa, "; precision.activations=int8 (int8 activation codes, as llama.cpp's)")
+
+
+def inferlab_peer(
+    engine: InferenceEngine, isa: str | None, note: str = "", paired: tuple[str, Prefill] | None = None
+) -> Peer:
+    """An inferlab engine as a peer on build `isa` (None: its device without the CPU kernels); `note` after its
+    source."""
     return Peer(
-        rate_of(inferlab_runner(engine, isa)), inferlab_prefill(engine, isa), weight_bytes(engine.model), note, isa
+        rate_of(inferlab_runner(engine, isa)),
+        inferlab_prefill(engine, isa),
+        weight_bytes(engine.model),
+        engine.loaded.source + note,
+        isa or engine.config.device.type,
+        paired,
+        dense_copy_bytes=dense_copy_bytes(engine.model),
     )
 
 

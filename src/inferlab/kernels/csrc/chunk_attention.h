@@ -91,65 +91,47 @@ inline void chunk_weights(const float* s, int64_t width, int64_t n, int64_t pos0
 }
 
 #ifdef INFERLAB_AMX
-// Rows first .. first + n - 1 (n <= 16) of a chunk at positions p0 + first .., query heads head0 .. head0 + heads - 1
-// of the rows' (H, D) q (fp32, row stride H * D), over `kv` (D a multiple of 64): out (row stride H * D) =
-// softmax(q k^T * scale) v, head by head
-inline void attend_chunk_tile(const ChunkKv& kv, const float* q, int64_t H, int64_t first, int64_t n, int64_t p0,
-                              int64_t head0, int64_t heads, float scale, float* out) {
-  const int64_t D = kv.D, last = p0 + first + n - 1;  // the tile's last position: keys 0..last
-  const int64_t key_blocks = last / 16 + 1, width = (last + 32) / 32 * 32;  // scores' columns, a multiple of 32
-  std::vector<uint16_t> qb(16 * D), pb(16 * width, 0);
-  std::vector<float> s(16 * width), o(16 * D);
-  alignas(64) float inv[16];
-  TileConfig config;  // A: Q 0, P 1; B: keys 2, values 3; C: 4..7
-  config.shape(0, n, 64);
-  config.shape(1, n, 64);
-  config.shape(2, 16, 64);
-  config.shape(3, 16, 64);
-  for (int t = 4; t < 8; ++t) config.shape(t, n, 64);
-  config.load();
-  for (int64_t head = head0; head < head0 + heads; ++head) {
-    chunk_queries(q + first * H * D + head * D, H * D, n, D, scale, qb.data());
-    for (int64_t kb = 0; kb < key_blocks; ++kb) {
-      _tile_zero(4);
-      for (int64_t c = 0; c < D / 32; ++c) {
-        _tile_loadd(0, qb.data() + c * 32, D * 2);
-        _tile_loadd(2, kv.keys.data() + (kb * (D / 32) + c) * 256, 64);
-        _tile_dpbf16ps(4, 0, 2);
-      }
-      _tile_stored(4, s.data() + kb * 16, width * 4);
+// The amx build's scores and outputs (the tile configuration attend_chunk_tile loads: A: Q 0, P 1; B: keys 2,
+// values 3; C: 4..7). Scores: the tile's rows' bf16 queries qb (n, D) times keys 0..16 key_blocks - 1, into s (row
+// stride width)
+inline void tile_scores(const ChunkKv& kv, const uint16_t* qb, int64_t, int64_t key_blocks, int64_t width, float* s) {
+  const int64_t D = kv.D;
+  for (int64_t kb = 0; kb < key_blocks; ++kb) {
+    _tile_zero(4);
+    for (int64_t c = 0; c < D / 32; ++c) {
+      _tile_loadd(0, qb + c * 32, D * 2);
+      _tile_loadd(2, kv.keys.data() + (kb * (D / 32) + c) * 256, 64);
+      _tile_dpbf16ps(4, 0, 2);
     }
-    chunk_weights(s.data(), width, n, p0 + first, pb.data(), inv);
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {  // four column blocks of 16 at a time: C 4..7
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
-      for (int64_t kb = 0; kb < width / 32; ++kb) {
-        const uint32_t* v = kv.values.data() + (kb * (D / 16) + d0 / 16) * 256;
-        _tile_loadd(1, pb.data() + kb * 32, width * 2);
-        _tile_loadd(3, v, 64);
-        _tile_dpbf16ps(4, 1, 3);
-        _tile_loadd(3, v + 256, 64);
-        _tile_dpbf16ps(5, 1, 3);
-        _tile_loadd(3, v + 512, 64);
-        _tile_dpbf16ps(6, 1, 3);
-        _tile_loadd(3, v + 768, 64);
-        _tile_dpbf16ps(7, 1, 3);
-      }
-      _tile_stored(4, o.data() + d0, D * 4);
-      _tile_stored(5, o.data() + d0 + 16, D * 4);
-      _tile_stored(6, o.data() + d0 + 32, D * 4);
-      _tile_stored(7, o.data() + d0 + 48, D * 4);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t d = 0; d < D; d += 16) {
-        _mm512_storeu_ps(out + (first + i) * H * D + head * D + d,
-                         _mm512_mul_ps(_mm512_loadu_ps(o.data() + i * D + d), _mm512_set1_ps(inv[i])));
-      }
-    }
+    _tile_stored(4, s + kb * 16, width * 4);
   }
-  _tile_release();
+}
+
+// Outputs: the rows' bf16 weights pb (row stride width) times the values, into o (n, D) unnormalized
+inline void tile_outputs(const ChunkKv& kv, const uint16_t* pb, int64_t, int64_t width, float* o) {
+  const int64_t D = kv.D;
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // four column blocks of 16 at a time: C 4..7
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t kb = 0; kb < width / 32; ++kb) {
+      const uint32_t* v = kv.values.data() + (kb * (D / 16) + d0 / 16) * 256;
+      _tile_loadd(1, pb + kb * 32, width * 2);
+      _tile_loadd(3, v, 64);
+      _tile_dpbf16ps(4, 1, 3);
+      _tile_loadd(3, v + 256, 64);
+      _tile_dpbf16ps(5, 1, 3);
+      _tile_loadd(3, v + 512, 64);
+      _tile_dpbf16ps(6, 1, 3);
+      _tile_loadd(3, v + 768, 64);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+    _tile_stored(4, o + d0, D * 4);
+    _tile_stored(5, o + d0 + 16, D * 4);
+    _tile_stored(6, o + d0 + 32, D * 4);
+    _tile_stored(7, o + d0 + 48, D * 4);
+  }
 }
 #else
 inline __m512bh bf16_pairs(const uint32_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
@@ -220,7 +202,30 @@ void with_row_group(int64_t n, const F& f) {
   }
 }
 
-// The AMX tile's work on the vectors (same arguments, the same roundings), rows in groups of 4
+// The same scores and outputs on the vectors (tile_scores' and tile_outputs' arguments), rows in groups of 4
+inline void tile_scores(const ChunkKv& kv, const uint16_t* qb, int64_t n, int64_t key_blocks, int64_t width, float* s) {
+  const int64_t pairs = kv.D / 2;
+  const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb);
+  for (int64_t i = 0; i < n; i += 4) {
+    with_row_group(n - i, [&](auto r) {
+      chunk_scores<decltype(r)::value>(kv.keys.data(), qp + i * pairs, pairs, key_blocks, width, s + i * width);
+    });
+  }
+}
+
+inline void tile_outputs(const ChunkKv& kv, const uint16_t* pb, int64_t n, int64_t width, float* o) {
+  const uint32_t* pp = reinterpret_cast<const uint32_t*>(pb);
+  for (int64_t i = 0; i < n; i += 4) {
+    with_row_group(n - i, [&](auto r) {
+      chunk_outputs<decltype(r)::value>(kv.values.data(), pp + i * width / 2, kv.D, width, o + i * kv.D);
+    });
+  }
+}
+#endif  // INFERLAB_AMX
+
+// Rows first .. first + n - 1 (n <= 16) of a chunk at positions p0 + first .., query heads head0 .. head0 + heads - 1
+// of the rows' (H, D) q (fp32, row stride H * D), over `kv` (D a multiple of 64): out (row stride H * D) =
+// softmax(q k^T * scale) v, head by head
 inline void attend_chunk_tile(const ChunkKv& kv, const float* q, int64_t H, int64_t first, int64_t n, int64_t p0,
                               int64_t head0, int64_t heads, float scale, float* out) {
   const int64_t D = kv.D, last = p0 + first + n - 1;  // the tile's last position: keys 0..last
@@ -228,21 +233,20 @@ inline void attend_chunk_tile(const ChunkKv& kv, const float* q, int64_t H, int6
   std::vector<uint16_t> qb(16 * D), pb(16 * width, 0);
   std::vector<float> s(16 * width), o(16 * D);
   alignas(64) float inv[16];
-  const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb.data());
-  const uint32_t* pp = reinterpret_cast<const uint32_t*>(pb.data());
+#ifdef INFERLAB_AMX
+  TileConfig config;  // the shapes tile_scores and tile_outputs take
+  config.shape(0, n, 64);
+  config.shape(1, n, 64);
+  config.shape(2, 16, 64);
+  config.shape(3, 16, 64);
+  for (int t = 4; t < 8; ++t) config.shape(t, n, 64);
+  config.load();
+#endif
   for (int64_t head = head0; head < head0 + heads; ++head) {
     chunk_queries(q + first * H * D + head * D, H * D, n, D, scale, qb.data());
-    for (int64_t i = 0; i < n; i += 4) {
-      with_row_group(n - i, [&](auto r) {
-        chunk_scores<decltype(r)::value>(kv.keys.data(), qp + i * D / 2, D / 2, key_blocks, width, s.data() + i * width);
-      });
-    }
+    tile_scores(kv, qb.data(), n, key_blocks, width, s.data());
     chunk_weights(s.data(), width, n, p0 + first, pb.data(), inv);
-    for (int64_t i = 0; i < n; i += 4) {
-      with_row_group(n - i, [&](auto r) {
-        chunk_outputs<decltype(r)::value>(kv.values.data(), pp + i * width / 2, D, width, o.data() + i * D);
-      });
-    }
+    tile_outputs(kv, pb.data(), n, width, o.data());
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t d = 0; d < D; d += 16) {
         _mm512_storeu_ps(out + (first + i) * H * D + head * D + d,
@@ -250,8 +254,10 @@ inline void attend_chunk_tile(const ChunkKv& kv, const float* q, int64_t H, int6
       }
     }
   }
+#ifdef INFERLAB_AMX
+  _tile_release();
+#endif
 }
-#endif  // INFERLAB_AMX
 
 }  // namespace INFERLAB_ISA
 }  // namespace inferlab

@@ -1004,6 +1004,26 @@ struct Int4Format {
     }
   }
 
+  // dot<M, kInt8X> of the tile's kind, known at compile time (int8 codes: only the kinds that take them)
+  template <int M, bool kInt8X>
+  void dot_of_kind(const Tile& rows, int64_t m0, L::V* sum, bool from_memory) const {
+    switch (rows.kind) {
+      case Kind::kQ6K:
+        return dot<M, kInt8X, Kind::kQ6K>(rows, m0, sum, from_memory);
+      case Kind::kQ4K:
+        return dot<M, kInt8X, Kind::kQ4K>(rows, m0, sum, from_memory);
+      case Kind::kQ5_0:
+        if constexpr (!kInt8X) return dot<M, false, Kind::kQ5_0>(rows, m0, sum, from_memory);
+        break;
+      case Kind::kQ8_0:
+        if constexpr (!kInt8X) return dot<M, false, Kind::kQ8_0>(rows, m0, sum, from_memory);
+        break;
+      case Kind::kGroups:
+        break;
+    }
+    dot<M, kInt8X>(rows, m0, sum, from_memory);
+  }
+
   // y[m0 + m, n + i] = sum + bias[n + i] for the block's rows from n on, m < mr (<= MR)
   template <bool kStreamed, typename Y, int MR = kStreamed ? kStreamRows : kChunk>
   void rows_of(int64_t mr, const Tile& rows, int64_t n, int64_t m0, const float* bias, Y* y, int32_t* q,
@@ -1015,33 +1035,9 @@ struct Int4Format {
     if constexpr (kStreamed) {
       streamed<MR>(rows, n, m0, q, sum);
     } else if (int8_x) {
-      switch (rows.kind) {
-        case Kind::kQ6K:
-          dot<MR, true, Kind::kQ6K>(rows, m0, sum, from_memory);
-          break;
-        case Kind::kQ4K:
-          dot<MR, true, Kind::kQ4K>(rows, m0, sum, from_memory);
-          break;
-        default:
-          dot<MR, true>(rows, m0, sum, from_memory);
-      }
+      dot_of_kind<MR, true>(rows, m0, sum, from_memory);
     } else {
-      switch (rows.kind) {
-        case Kind::kQ6K:
-          dot<MR, false, Kind::kQ6K>(rows, m0, sum, from_memory);
-          break;
-        case Kind::kQ5_0:
-          dot<MR, false, Kind::kQ5_0>(rows, m0, sum, from_memory);
-          break;
-        case Kind::kQ8_0:
-          dot<MR, false, Kind::kQ8_0>(rows, m0, sum, from_memory);
-          break;
-        case Kind::kQ4K:
-          dot<MR, false, Kind::kQ4K>(rows, m0, sum, from_memory);
-          break;
-        default:
-          dot<MR, false>(rows, m0, sum, from_memory);
-      }
+      dot_of_kind<MR, false>(rows, m0, sum, from_memory);
     }
     for (int m = 0; m < MR; ++m) {
       float lanes[L::N];
